@@ -1,0 +1,39 @@
+"""Package metadata for spec_decode."""
+
+import setuptools
+
+setuptools.setup(
+    name="spec_decode",
+    version="0.1.0",
+    description=(
+        "Speculative decoding (Leviathan et al., ICML 2023) for T5.1.1 "
+        "encoder-decoder models in JAX/Flax."
+    ),
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["spec_decode", "spec_decode.*"]),
+    include_package_data=True,
+    package_data={"spec_decode": ["testdata/*.json"]},
+    install_requires=[
+        "jax>=0.4.30",
+        "flax>=0.8",
+        "optax",
+        "orbax-checkpoint",
+        "absl-py",
+        "gin-config",
+        "numpy",
+        "tensorstore",
+        "msgpack",
+        "sentencepiece",
+        "tqdm",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "scipy",
+            "torch==2.13.0",
+            "transformers",
+            "safetensors",
+        ],
+        "data": ["seqio", "sacrebleu", "rouge-score"],
+    },
+)

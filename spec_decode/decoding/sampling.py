@@ -1,0 +1,70 @@
+"""Standardized sampling: the adjusted next-token distribution, not only a token.
+
+Speculative sampling needs the full distributions p (target) and q (draft)
+after the same adjustment (the paper's "standardized sampling"), so a
+`Sampling` exposes `probs(logits)`; sampling a token is drawing from it.
+
+Adjustment order: temperature, then top-k, then top-p on the renormalized
+top-k distribution. Temperature 0 is the one-hot argmax (first index on ties).
+Top-k keeps every token whose logit ties the k-th largest. Top-p keeps the
+smallest prefix of tokens sorted by probability whose mass reaches top_p (the
+token that crosses the threshold is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """temperature >= 0 (0 = argmax); top_k >= 0 (0 = off); 0 < top_p <= 1 (1 = off)."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+    if not (0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def probs(self, logits: jax.Array) -> jax.Array:
+    """Adjusted distribution over the last axis, float32, summing to 1."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    if self.greedy:
+      return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    logits = logits / self.temperature
+    if 0 < self.top_k < V:
+      kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
+      logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if self.top_p < 1.0:
+      order = jnp.argsort(-probs, axis=-1)
+      sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+      mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+      keep_sorted = mass_before < self.top_p
+      keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+      probs = jnp.where(keep, probs, 0.0)
+      probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return probs
+
+  def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One token per leading index, drawn from `probs(logits)`; int32."""
+    return sample_from(key, self.probs(logits))
+
+
+def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
+  """Draws an index from each distribution along the last axis (zeros never drawn)."""
+  logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+  return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)

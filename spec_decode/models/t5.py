@@ -1,0 +1,501 @@
+"""T5.1.1 (and T5 1.0) encoder-decoder in JAX with an explicit, rewindable KV cache.
+
+Parameters are a nested dict with T5X's names and 2-D kernel shapes, so T5X
+checkpoints load by reading arrays (see `spec_decode.checkpoints`).
+
+Axis letters used in einsums and shape suffixes:
+  B batch, S source (encoder) length, T target tokens in this call,
+  L cache length, N heads, H head dim, D model dim (emb_dim), F mlp dim,
+  V vocab, K = N * H (joined heads).
+
+The decoder has one code path: `decode(params, cache, tokens[B,T])` appends T
+tokens at each row's own cache length. `forward` (teacher forcing) is
+`decode` of all target tokens into a fresh cache, so the two cannot drift; the
+Hugging Face parity test checks that path against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Mapping[str, Any]
+
+PAD_ID = 0
+BOS_ID = 0
+EOS_ID = 1
+_NEG_INF = -1e10
+
+# name: (emb_dim, num_heads, num_encoder_layers, num_decoder_layers, head_dim, mlp_dim)
+_T5_1_1_SHAPES = {
+    "small": (512, 6, 8, 8, 64, 1024),
+    "base": (768, 12, 12, 12, 64, 2048),
+    "large": (1024, 16, 24, 24, 64, 2816),
+    "xl": (2048, 32, 24, 24, 64, 5120),
+    "xxl": (4096, 64, 24, 24, 64, 10240),
+}
+_T5_1_0_SHAPES = {
+    "small": (512, 8, 6, 6, 64, 2048),
+    "base": (768, 12, 12, 12, 64, 3072),
+    "large": (1024, 16, 24, 24, 64, 4096),
+    "3b": (1024, 32, 24, 24, 128, 16384),
+    "11b": (1024, 128, 24, 24, 128, 65536),
+}
+_SHAPE_FIELDS = ("emb_dim", "num_heads", "num_encoder_layers", "num_decoder_layers",
+                 "head_dim", "mlp_dim")
+
+
+def _presets() -> dict[str, dict[str, Any]]:
+  out = {}
+  for name, shape in _T5_1_1_SHAPES.items():
+    out[f"t5_1_1_{name}"] = dict(zip(_SHAPE_FIELDS, shape), vocab_size=32128)
+  for name, shape in _T5_1_0_SHAPES.items():
+    out[f"t5_{name}"] = dict(zip(_SHAPE_FIELDS, shape), vocab_size=32128,
+                             mlp_activations=("relu",), logits_via_embedding=True)
+  # Tiny models for tests and CPU experiments (same architecture, small shapes).
+  out["t5_1_1_tiny"] = dict(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=2,
+                            num_decoder_layers=2, head_dim=8, mlp_dim=64)
+  out["t5_1_1_mini"] = dict(vocab_size=128, emb_dim=64, num_heads=4, num_encoder_layers=2,
+                            num_decoder_layers=3, head_dim=16, mlp_dim=128)
+  out["t5_tiny"] = dict(out["t5_1_1_tiny"], mlp_activations=("relu",),
+                        logits_via_embedding=True)
+  return out
+
+
+PRESETS = _presets()
+_ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "linear": lambda x: x,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """T5 hyperparameters, with T5X's field names.
+
+  `dtype` is the dtype of parameters, activations and the KV cache (float32 on
+  CPU, bfloat16 on accelerators); norms and softmax always run in float32 and
+  logits are returned in float32.
+  """
+  vocab_size: int = 32128
+  emb_dim: int = 512
+  num_heads: int = 6
+  num_encoder_layers: int = 8
+  num_decoder_layers: int = 8
+  head_dim: int = 64
+  mlp_dim: int = 1024
+  mlp_activations: tuple[str, ...] = ("gelu", "linear")
+  logits_via_embedding: bool = False
+  dtype: Any = jnp.float32
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  layer_norm_epsilon: float = 1e-6
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+    for f in ("vocab_size", "emb_dim", "num_heads", "num_encoder_layers",
+              "num_decoder_layers", "head_dim", "mlp_dim",
+              "relative_attention_num_buckets", "relative_attention_max_distance"):
+      v = getattr(self, f)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"T5Config.{f} must be a positive int, got {v!r}")
+    bad = [a for a in self.mlp_activations if a not in _ACTIVATIONS]
+    if bad or not self.mlp_activations:
+      raise ValueError(f"T5Config.mlp_activations must be non-empty and drawn from "
+                       f"{sorted(_ACTIVATIONS)}, got {self.mlp_activations!r}")
+    if self.relative_attention_num_buckets % 2:
+      raise ValueError("relative_attention_num_buckets must be even (bidirectional halves)")
+
+  @classmethod
+  def preset(cls, name: str, **overrides) -> "T5Config":
+    """A named configuration, e.g. "t5_1_1_small"; fields may be overridden."""
+    if name not in PRESETS:
+      raise ValueError(f"Unknown T5 preset {name!r}; known presets: {sorted(PRESETS)}")
+    return cls(**{**PRESETS[name], **overrides})
+
+  def replace(self, **changes) -> "T5Config":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def joined_kv(self) -> int:
+    return self.num_heads * self.head_dim
+
+  def mlp_names(self) -> tuple[str, ...]:
+    """T5X names of the MLP input kernels: 'wi' for one activation, else wi_0, wi_1, ..."""
+    if len(self.mlp_activations) == 1:
+      return ("wi",)
+    return tuple(f"wi_{i}" for i in range(len(self.mlp_activations)))
+
+
+@flax.struct.dataclass
+class EncoderOutput:
+  """Encoder result.
+
+  hidden: [B, S, D] final encoder states (after encoder_norm), config dtype.
+  mask:   [B, S] bool, True at real (non-PAD) input positions.
+  """
+  hidden: jax.Array
+  mask: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeCache:
+  """Per-layer decoder KV cache with a per-row length.
+
+  self_k, self_v:   tuple over decoder layers of [B, L, N, H]; positions >= a
+                    row's length hold stale values that attention masks out.
+  cross_k, cross_v: tuple over decoder layers of [B, S, N, H], computed once.
+  encoder_mask:     [B, S] bool.
+  lengths:          [B] int32, tokens already in the cache per row.
+  """
+  self_k: tuple[jax.Array, ...]
+  self_v: tuple[jax.Array, ...]
+  cross_k: tuple[jax.Array, ...]
+  cross_v: tuple[jax.Array, ...]
+  encoder_mask: jax.Array
+  lengths: jax.Array
+
+  @property
+  def max_length(self) -> int:
+    return self.self_k[0].shape[1]
+
+  @property
+  def batch_size(self) -> int:
+    return self.lengths.shape[0]
+
+  def rewind(self, lengths: jax.Array) -> "DecodeCache":
+    """Sets each row's length (O(1)); later writes overwrite the stale entries."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != self.lengths.shape:
+      raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
+                       f"got {lengths.shape}")
+    return self.replace(lengths=lengths)
+
+
+def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int):
+  """T5's log-spaced bucket of (key position - query position).
+
+  Half the buckets (per direction) are exact offsets, the rest grow
+  logarithmically up to `max_distance`, beyond which all share the last bucket.
+  """
+  n = -relative_position
+  bucket = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    bucket = bucket + (n < 0).astype(n.dtype) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  scaled = n.astype(jnp.float32) / max_exact + jnp.finfo(jnp.float32).eps
+  log_part = jnp.log(scaled) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+  large = jnp.minimum(max_exact + log_part.astype(n.dtype), num_buckets - 1)
+  return bucket + jnp.where(n < max_exact, n, large)
+
+
+def _rms_norm(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def _attend(q_BTNH, k_BLNH, v_BLNH, bias_BNTL, mask_BTL):
+  """Dot-product attention without 1/sqrt(H) (folded into the query init, as T5)."""
+  logits = jnp.einsum("BTNH,BLNH->BNTL", q_BTNH, k_BLNH).astype(jnp.float32)
+  if bias_BNTL is not None:
+    logits = logits + bias_BNTL
+  logits = jnp.where(mask_BTL[:, None], logits, _NEG_INF)
+  weights = jax.nn.softmax(logits, axis=-1).astype(v_BLNH.dtype)
+  return jnp.einsum("BNTL,BLNH->BTNH", weights, v_BLNH)
+
+
+def _write_rows(cache_BLNH, new_BTNH, offsets_B):
+  """Writes new_BTNH into each row of cache_BLNH at that row's own offset."""
+  write = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0))
+  return jax.vmap(write)(cache_BLNH, new_BTNH.astype(cache_BLNH.dtype), offsets_B)
+
+
+def _check_tokens(tokens, name: str, vocab_size: int):
+  """Validates a [B, T] integer token array at the Python API boundary.
+
+  Ranks and dtypes are checked always; the id range only when the values are
+  concrete (not under jit tracing), where it costs one host transfer.
+  """
+  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+    tokens = np.asarray(tokens)
+  if tokens.ndim != 2:
+    raise ValueError(f"{name} must have shape [batch, length], got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
+  if tokens.shape[1] < 1 or tokens.shape[0] < 1:
+    raise ValueError(f"{name} must be non-empty, got shape {tokens.shape}")
+  if not isinstance(tokens, jax.core.Tracer):
+    arr = np.asarray(tokens)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+      raise ValueError(f"{name} has token ids in [{lo}, {hi}], outside the vocabulary "
+                       f"[0, {vocab_size})")
+  return jnp.asarray(tokens, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5:
+  """A T5 model: pure functions of (params, inputs). Hashable, so jit-static."""
+  config: T5Config
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  # ------------------------------------------------------------------ params
+  def _param_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], Any]]:
+    """Flat {path: (shape, logical axes, initializer)} in T5X naming."""
+    c = self.config
+    E, K, F, V, N = c.emb_dim, c.joined_kv, c.mlp_dim, c.vocab_size, c.num_heads
+    init = jax.nn.initializers
+    fan_in_normal = init.variance_scaling(1.0, "fan_in", "normal")
+    query_init = lambda k, s, d: fan_in_normal(k, s, d) / math.sqrt(c.head_dim)
+    mlp_init = init.variance_scaling(1.0, "fan_in", "truncated_normal")
+    relpos_init = init.variance_scaling(1.0, "fan_avg", "uniform")
+    ones = init.ones
+    specs = {"token_embedder/embedding": ((V, E), ("vocab", "embed"), init.normal(1.0))}
+
+    def attention(prefix):
+      specs[f"{prefix}/query/kernel"] = ((E, K), ("embed", "joined_kv"), query_init)
+      for n in ("key", "value"):
+        specs[f"{prefix}/{n}/kernel"] = ((E, K), ("embed", "joined_kv"), fan_in_normal)
+      specs[f"{prefix}/out/kernel"] = ((K, E), ("joined_kv", "embed"), fan_in_normal)
+
+    def mlp(prefix):
+      for n in c.mlp_names():
+        specs[f"{prefix}/mlp/{n}/kernel"] = ((E, F), ("embed", "mlp"), mlp_init)
+      specs[f"{prefix}/mlp/wo/kernel"] = ((F, E), ("mlp", "embed"), mlp_init)
+
+    def norm(path):
+      specs[path] = ((E,), ("embed",), ones)
+
+    relpos = ((N, c.relative_attention_num_buckets), ("heads", "relpos_buckets"), relpos_init)
+    specs["encoder/relpos_bias/rel_embedding"] = relpos
+    for i in range(c.num_encoder_layers):
+      p = f"encoder/layers_{i}"
+      norm(f"{p}/pre_attention_layer_norm/scale")
+      attention(f"{p}/attention")
+      norm(f"{p}/pre_mlp_layer_norm/scale")
+      mlp(p)
+    norm("encoder/encoder_norm/scale")
+    specs["decoder/relpos_bias/rel_embedding"] = relpos
+    for i in range(c.num_decoder_layers):
+      p = f"decoder/layers_{i}"
+      norm(f"{p}/pre_self_attention_layer_norm/scale")
+      attention(f"{p}/self_attention")
+      norm(f"{p}/pre_cross_attention_layer_norm/scale")
+      attention(f"{p}/encoder_decoder_attention")
+      norm(f"{p}/pre_mlp_layer_norm/scale")
+      mlp(p)
+    norm("decoder/decoder_norm/scale")
+    if not c.logits_via_embedding:
+      specs["decoder/logits_dense/kernel"] = ((E, V), ("embed", "vocab"), mlp_init)
+    return specs
+
+  @staticmethod
+  def _unflatten(flat: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+      node = tree
+      *parents, leaf = path.split("/")
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = value
+    return tree
+
+  def init(self, rng: jax.Array) -> dict:
+    """Random parameters with T5X's initializers, in `config.dtype`."""
+    specs = self._param_specs()
+    keys = jax.random.split(rng, len(specs))
+    flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
+            for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
+    return self._unflatten(flat)
+
+  def param_shapes(self) -> dict:
+    """Parameter tree of jax.ShapeDtypeStruct, without allocating anything."""
+    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+
+  def logical_axes(self) -> dict:
+    """Same tree as the parameters, each leaf a tuple of T5X logical axis names."""
+    return self._unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
+
+  def num_params(self) -> int:
+    return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
+
+  # ---------------------------------------------------------------- building blocks
+  def _embed(self, params, tokens):
+    return jnp.take(params["token_embedder"]["embedding"], tokens, axis=0).astype(
+        self.config.dtype)
+
+  def _project_heads(self, x_BTD, kernel_DK):
+    c = self.config
+    y = jnp.einsum("BTD,DK->BTK", x_BTD, kernel_DK.astype(c.dtype))
+    return y.reshape(*y.shape[:2], c.num_heads, c.head_dim)
+
+  def _merge_heads(self, y_BTNH, kernel_KD):
+    y = y_BTNH.reshape(*y_BTNH.shape[:2], -1)
+    return jnp.einsum("BTK,KD->BTD", y, kernel_KD.astype(self.config.dtype))
+
+  def _mlp(self, p, x_BTD):
+    c = self.config
+    h = None
+    for name, act in zip(c.mlp_names(), c.mlp_activations):
+      a = _ACTIVATIONS[act](jnp.einsum("BTD,DF->BTF", x_BTD, p[name]["kernel"].astype(c.dtype)))
+      h = a if h is None else h * a
+    return jnp.einsum("BTF,FD->BTD", h, p["wo"]["kernel"].astype(c.dtype))
+
+  def _relpos_bias(self, rel_embedding_NR, rel_pos, bidirectional):
+    """rel_pos [..., T, L] (key - query) -> bias [..., N, T, L] float32."""
+    c = self.config
+    buckets = relative_position_bucket(
+        rel_pos, bidirectional=bidirectional, num_buckets=c.relative_attention_num_buckets,
+        max_distance=c.relative_attention_max_distance)
+    bias = jnp.take(rel_embedding_NR.astype(jnp.float32), buckets, axis=1)  # [N, ..., T, L]
+    return jnp.moveaxis(bias, 0, -3)
+
+  # ---------------------------------------------------------------- encoder
+  def encode(self, params: Params, encoder_tokens) -> EncoderOutput:
+    """Runs the encoder once. encoder_tokens [B, S] int, 0 = padding."""
+    encoder_tokens = _check_tokens(encoder_tokens, "encoder_tokens", self.config.vocab_size)
+    return self._encode(params, encoder_tokens)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _encode(self, params, encoder_tokens):
+    c = self.config
+    enc = params["encoder"]
+    mask_BS = encoder_tokens > 0
+    x = self._embed(params, encoder_tokens)
+    S = encoder_tokens.shape[1]
+    pos = jnp.arange(S)
+    bias = self._relpos_bias(enc["relpos_bias"]["rel_embedding"], pos[None, :] - pos[:, None],
+                             bidirectional=True)[None]  # [1, N, S, S]
+    attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (x.shape[0], S, S))
+    for i in range(c.num_encoder_layers):
+      p = enc[f"layers_{i}"]
+      h = _rms_norm(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+      a = p["attention"]
+      q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
+      x = x + self._merge_heads(_attend(q, k, v, bias, attn_mask), a["out"]["kernel"])
+      h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
+      x = x + self._mlp(p["mlp"], h)
+    x = _rms_norm(x, enc["encoder_norm"]["scale"], c.layer_norm_epsilon)
+    return EncoderOutput(hidden=x, mask=mask_BS)
+
+  # ---------------------------------------------------------------- decoder
+  def init_cache(self, params: Params, encoded: EncoderOutput, max_decode_len: int) -> DecodeCache:
+    """Empty self-attention cache of `max_decode_len` slots; cross-attention K/V filled."""
+    if not isinstance(max_decode_len, (int, np.integer)) or max_decode_len < 1:
+      raise ValueError(f"max_decode_len must be a positive int, got {max_decode_len!r}")
+    return self._init_cache(params, encoded, int(max_decode_len))
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def _init_cache(self, params, encoded, max_decode_len):
+    c = self.config
+    B = encoded.hidden.shape[0]
+    cross_k, cross_v = [], []
+    for i in range(c.num_decoder_layers):
+      a = params["decoder"][f"layers_{i}"]["encoder_decoder_attention"]
+      cross_k.append(self._project_heads(encoded.hidden, a["key"]["kernel"]))
+      cross_v.append(self._project_heads(encoded.hidden, a["value"]["kernel"]))
+    empty = jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
+    return DecodeCache(
+        self_k=tuple(empty for _ in range(c.num_decoder_layers)),
+        self_v=tuple(empty for _ in range(c.num_decoder_layers)),
+        cross_k=tuple(cross_k), cross_v=tuple(cross_v),
+        encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
+
+  def decode(self, params: Params, cache: DecodeCache, tokens) -> tuple[jax.Array, DecodeCache]:
+    """Appends tokens [B, T] at each row's cache length; returns float32 logits [B, T, V].
+
+    Query t of row b sits at position lengths[b] + t and attends to cache
+    positions <= its own. The returned cache has lengths + T.
+    """
+    tokens = _check_tokens(tokens, "tokens", self.config.vocab_size)
+    B, T = tokens.shape
+    if B != cache.batch_size:
+      raise ValueError(f"tokens batch {B} != cache batch {cache.batch_size}")
+    if T > cache.max_length:
+      raise ValueError(f"cannot decode {T} tokens into a cache of length {cache.max_length}")
+    if not isinstance(cache.lengths, jax.core.Tracer):
+      longest = int(np.max(np.asarray(cache.lengths)))
+      if longest + T > cache.max_length:
+        raise ValueError(f"decoding {T} tokens at length {longest} overflows the cache "
+                         f"(max_decode_len {cache.max_length})")
+    return self._decode(params, cache, tokens)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _decode(self, params, cache: DecodeCache, tokens):
+    c = self.config
+    dec = params["decoder"]
+    B, T = tokens.shape
+    L = cache.max_length
+    offsets = cache.lengths
+    q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :]
+    k_pos_L = jnp.arange(L)
+    self_bias = self._relpos_bias(dec["relpos_bias"]["rel_embedding"],
+                                  k_pos_L[None, None, :] - q_pos_BT[:, :, None],
+                                  bidirectional=False)  # [B, N, T, L]
+    self_mask = k_pos_L[None, None, :] <= q_pos_BT[:, :, None]  # [B, T, L]
+    cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                                  (B, T, cache.encoder_mask.shape[1]))
+    x = self._embed(params, tokens)
+    new_k, new_v = [], []
+    for i in range(c.num_decoder_layers):
+      p = dec[f"layers_{i}"]
+      h = _rms_norm(x, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+      a = p["self_attention"]
+      q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
+      k_all = _write_rows(cache.self_k[i], k, offsets)
+      v_all = _write_rows(cache.self_v[i], v, offsets)
+      new_k.append(k_all)
+      new_v.append(v_all)
+      x = x + self._merge_heads(_attend(q, k_all, v_all, self_bias, self_mask),
+                                a["out"]["kernel"])
+      h = _rms_norm(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+      a = p["encoder_decoder_attention"]
+      q = self._project_heads(h, a["query"]["kernel"])
+      x = x + self._merge_heads(_attend(q, cache.cross_k[i], cache.cross_v[i], None, cross_mask),
+                                a["out"]["kernel"])
+      h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
+      x = x + self._mlp(p["mlp"], h)
+    x = _rms_norm(x, dec["decoder_norm"]["scale"], c.layer_norm_epsilon)
+    if c.logits_via_embedding:
+      emb = params["token_embedder"]["embedding"].astype(c.dtype)
+      logits = jnp.einsum("BTD,VD->BTV", x, emb) / math.sqrt(c.emb_dim)
+    else:
+      logits = jnp.einsum("BTD,DV->BTV", x, dec["logits_dense"]["kernel"].astype(c.dtype))
+    cache = cache.replace(self_k=tuple(new_k), self_v=tuple(new_v), lengths=offsets + T)
+    return logits.astype(jnp.float32), cache
+
+  # ---------------------------------------------------------------- teacher forcing
+  def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
+    """Teacher-forced logits [B, T, V] float32 (decoder inputs start with BOS = 0)."""
+    encoder_tokens = _check_tokens(encoder_tokens, "encoder_tokens", self.config.vocab_size)
+    decoder_input_tokens = _check_tokens(decoder_input_tokens, "decoder_input_tokens",
+                                         self.config.vocab_size)
+    if encoder_tokens.shape[0] != decoder_input_tokens.shape[0]:
+      raise ValueError(f"batch mismatch: encoder_tokens {encoder_tokens.shape} vs "
+                       f"decoder_input_tokens {decoder_input_tokens.shape}")
+    return self._forward(params, encoder_tokens, decoder_input_tokens)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _forward(self, params, encoder_tokens, decoder_input_tokens):
+    encoded = self._encode(params, encoder_tokens)
+    cache = self._init_cache(params, encoded, decoder_input_tokens.shape[1])
+    logits, _ = self._decode(params, cache, decoder_input_tokens)
+    return logits
