@@ -11,8 +11,6 @@ setuptools.setup(
     ),
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["spec_decode", "spec_decode.*"]),
-    include_package_data=True,
-    package_data={"spec_decode": ["testdata/*.json"]},
     install_requires=[
         "jax>=0.4.30",
         "flax>=0.8",

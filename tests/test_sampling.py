@@ -1,0 +1,95 @@
+"""Sampling: exact adjusted distributions on hand-made logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_decode.decoding import Sampling, sample_from
+
+
+def _softmax(x):
+  e = np.exp(x - np.max(x))
+  return e / e.sum()
+
+
+LOGITS = np.array([1.0, 3.0, 2.0, 3.0, -1.0], np.float32)
+
+
+def test_greedy_is_one_hot_first_max():
+  np.testing.assert_array_equal(Sampling(temperature=0.0).probs(LOGITS), [0, 1, 0, 0, 0])
+  batch = np.stack([LOGITS, -LOGITS])
+  np.testing.assert_array_equal(Sampling().probs(batch)[1], [0, 0, 0, 0, 1])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+def test_temperature(temperature):
+  np.testing.assert_allclose(Sampling(temperature=temperature).probs(LOGITS),
+                             _softmax(LOGITS / temperature), rtol=1e-6, atol=1e-7)
+
+
+def test_top_k_keeps_ties_of_kth():
+  # k = 2: the two tokens with logit 3 survive.
+  probs = Sampling(temperature=1.0, top_k=2).probs(LOGITS)
+  np.testing.assert_allclose(probs, [0, 0.5, 0, 0.5, 0], atol=1e-7)
+  # k = 3: logits 3, 3, 2.
+  probs = Sampling(temperature=1.0, top_k=3).probs(LOGITS)
+  e = np.exp([3.0, 2.0, 3.0])
+  np.testing.assert_allclose(probs, [0, e[0], e[1], e[2], 0] / e.sum(), rtol=1e-6)
+  # k >= V is a no-op.
+  np.testing.assert_allclose(Sampling(temperature=1.0, top_k=5).probs(LOGITS),
+                             _softmax(LOGITS), rtol=1e-6)
+
+
+def test_top_p_keeps_token_that_crosses_threshold():
+  logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+  # Mass before each sorted token: 0, 0.5, 0.8, 0.95.
+  np.testing.assert_allclose(Sampling(temperature=1.0, top_p=0.5).probs(logits),
+                             [1, 0, 0, 0], atol=1e-6)
+  np.testing.assert_allclose(Sampling(temperature=1.0, top_p=0.7).probs(logits),
+                             [0.625, 0.375, 0, 0], rtol=1e-5)
+  np.testing.assert_allclose(Sampling(temperature=1.0, top_p=0.9).probs(logits),
+                             np.array([0.5, 0.3, 0.15, 0]) / 0.95, rtol=1e-5)
+  # Unsorted input order gives the same per-token answer.
+  perm = np.array([2, 0, 3, 1])
+  np.testing.assert_allclose(Sampling(temperature=1.0, top_p=0.7).probs(logits[perm]),
+                             np.array([0.625, 0.375, 0, 0])[perm], rtol=1e-5)
+
+
+def test_top_k_then_top_p_then_temperature_order():
+  logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+  # temperature 0.5 squares the probabilities: [.16, .09, .04, .01] / .30
+  # top_k 3 drops the last: [.16, .09, .04] / .29 = [.5517, .3103, .1379]
+  # top_p 0.8: mass before = [0, .5517, .8621] -> keep two: [.64, .36]
+  probs = Sampling(temperature=0.5, top_k=3, top_p=0.8).probs(logits)
+  np.testing.assert_allclose(probs, [0.64, 0.36, 0, 0], rtol=1e-5)
+
+
+def test_probs_sum_to_one_on_batches():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (4, 7, 50)) * 3
+  for s in [Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.6),
+            Sampling(0.9, top_k=10, top_p=0.9), Sampling(0.0)]:
+    np.testing.assert_allclose(jnp.sum(s.probs(logits), axis=-1), 1.0, rtol=1e-5)
+
+
+def test_sample_from_frequencies():
+  probs = np.array([0.1, 0.0, 0.6, 0.3], np.float32)
+  n = 40_000
+  draws = sample_from(jax.random.PRNGKey(1), np.broadcast_to(probs, (n, 4)))
+  freq = np.bincount(np.asarray(draws), minlength=4) / n
+  assert freq[1] == 0  # zero-probability tokens are never drawn
+  # 5 standard errors of a binomial proportion.
+  np.testing.assert_allclose(freq, probs, atol=5 * np.sqrt(0.25 / n))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_invalid_sampling(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Sampling(**kwargs)

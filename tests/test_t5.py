@@ -1,0 +1,192 @@
+"""T5 model: incremental decode == teacher forcing, golden shapes, errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_decode.models import t5
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "testdata", "t5_param_shapes.json")
+# Published parameter counts of the T5.1.1 checkpoints.
+PUBLISHED_COUNTS = {
+    "t5_1_1_small": 76_961_152,
+    "t5_1_1_base": 247_577_856,
+    "t5_1_1_large": 783_150_080,
+    "t5_1_1_xl": 2_849_757_184,
+    "t5_1_1_xxl": 11_135_332_352,
+}
+
+
+def _flatten(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}/{k}" if prefix else k
+    out.update(_flatten(v, path) if isinstance(v, dict) else {path: v})
+  return out
+
+
+@pytest.fixture(scope="module", params=["t5_1_1_tiny", "t5_tiny"])
+def model_and_params(request):
+  model = t5.T5(t5.T5Config.preset(request.param))
+  return model, model.init(jax.random.PRNGKey(3))
+
+
+def _inputs(vocab, batch=3, src=9, tgt=7, seed=0):
+  rs = np.random.RandomState(seed)
+  enc = rs.randint(2, vocab, (batch, src)).astype(np.int32)
+  enc[1, 4:] = 0  # padded row
+  enc[2, 7:] = 0
+  dec = rs.randint(2, vocab, (batch, tgt)).astype(np.int32)
+  dec[:, 0] = t5.BOS_ID
+  return enc, dec
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_decode_matches_forward(model_and_params, chunk):
+  model, params = model_and_params
+  enc, dec = _inputs(model.config.vocab_size)
+  full = model.forward(params, enc, dec)
+  cache = model.init_cache(params, model.encode(params, enc), 12)
+  pieces = []
+  for start in range(0, dec.shape[1], chunk):
+    logits, cache = model.decode(params, cache, dec[:, start:start + chunk])
+    pieces.append(logits)
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(cache.lengths, [dec.shape[1]] * 3)
+
+
+def test_ragged_rows_after_rewind(model_and_params):
+  """Rows at different lengths decode their own next tokens; stale entries are ignored."""
+  model, params = model_and_params
+  V = model.config.vocab_size
+  enc, dec = _inputs(V, tgt=8, seed=1)
+  cache = model.init_cache(params, model.encode(params, enc), 12)
+  # Fill 6 positions with unrelated tokens, then rewind rows to different lengths.
+  junk = np.random.RandomState(9).randint(2, V, (3, 6)).astype(np.int32)
+  junk[:, 0] = 0
+  _, cache = model.decode(params, cache, junk)
+  lengths = np.array([2, 4, 0], np.int32)
+  # Re-feed each row's true prefix up to its length (per-row ragged writes).
+  cache = cache.rewind(np.zeros(3, np.int32))
+  for t in range(4):
+    step_tokens = dec[:, t:t + 1]
+    _, stepped = model.decode(params, cache, step_tokens)
+    cache = stepped.rewind(np.minimum(cache.lengths + 1, lengths))
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  chunk = np.stack([dec[b, lengths[b]:lengths[b] + 3] for b in range(3)])
+  logits, cache = model.decode(params, cache, chunk)
+  full = model.forward(params, enc, dec)
+  expected = np.stack([full[b, lengths[b]:lengths[b] + 3] for b in range(3)])
+  np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(cache.lengths, lengths + 3)
+
+
+def test_golden_param_shapes_all_presets():
+  with open(GOLDEN) as f:
+    golden = json.load(f)
+  for name, expected in golden.items():
+    model = t5.T5(t5.T5Config.preset(name))
+    shapes = {k: list(v.shape) for k, v in _flatten(model.param_shapes()).items()}
+    assert shapes == expected, name
+    assert model.num_params() == PUBLISHED_COUNTS[name], name
+    assert sum(int(np.prod(s)) for s in expected.values()) == PUBLISHED_COUNTS[name]
+    axes = _flatten(model.logical_axes())
+    assert set(axes) == set(shapes)
+    for path, ax in axes.items():
+      assert len(ax) == len(shapes[path]), path
+
+
+def test_logical_axes_names():
+  axes = _flatten(t5.T5(t5.T5Config.preset("t5_1_1_tiny")).logical_axes())
+  assert axes["token_embedder/embedding"] == ("vocab", "embed")
+  assert axes["encoder/layers_0/attention/query/kernel"] == ("embed", "joined_kv")
+  assert axes["decoder/layers_1/self_attention/out/kernel"] == ("joined_kv", "embed")
+  assert axes["decoder/layers_0/mlp/wi_0/kernel"] == ("embed", "mlp")
+  assert axes["decoder/layers_0/mlp/wo/kernel"] == ("mlp", "embed")
+  assert axes["decoder/relpos_bias/rel_embedding"] == ("heads", "relpos_buckets")
+  assert axes["decoder/logits_dense/kernel"] == ("embed", "vocab")
+  assert axes["encoder/encoder_norm/scale"] == ("embed",)
+
+
+def test_t5_1_0_has_no_logits_dense_and_single_wi():
+  flat = _flatten(t5.T5(t5.T5Config.preset("t5_small")).param_shapes())
+  assert "decoder/logits_dense/kernel" not in flat
+  assert flat["encoder/layers_0/mlp/wi/kernel"].shape == (512, 2048)
+
+
+def test_relative_position_buckets_known_values():
+  rel = jnp.array([-200, -128, -20, -8, -1, 0, 1, 8, 20, 128, 200])
+  bi = t5.relative_position_bucket(rel, bidirectional=True, num_buckets=32, max_distance=128)
+  causal = t5.relative_position_bucket(rel, bidirectional=False, num_buckets=32,
+                                       max_distance=128)
+  # Values from Hugging Face's T5Attention._relative_position_bucket (independent code).
+  # Bidirectional: keys after the query use buckets 16..31; exact below 8, log above.
+  np.testing.assert_array_equal(bi, [15, 15, 10, 8, 1, 0, 17, 24, 26, 31, 31])
+  # Causal: keys after the query all map to bucket 0; exact below 16.
+  np.testing.assert_array_equal(causal, [31, 31, 17, 8, 1, 0, 0, 0, 0, 0, 0])
+
+
+def test_bfloat16_model_returns_float32_logits_close_to_float32():
+  cfg = t5.T5Config.preset("t5_1_1_tiny")
+  m32, m16 = t5.T5(cfg), t5.T5(cfg.replace(dtype=jnp.bfloat16))
+  p32 = m32.init(jax.random.PRNGKey(0))
+  p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
+  enc, dec = _inputs(cfg.vocab_size)
+  l32, l16 = m32.forward(p32, enc, dec), m16.forward(p16, enc, dec)
+  assert l16.dtype == jnp.float32
+  assert m16.init(jax.random.PRNGKey(0))["token_embedder"]["embedding"].dtype == jnp.bfloat16
+  # bfloat16 has 8 mantissa bits; errors compound over 2+2 layers.
+  np.testing.assert_allclose(l16, l32, atol=0.15 * float(np.abs(l32).max()), rtol=0)
+
+
+class TestErrors:
+  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+
+  @pytest.fixture(scope="class")
+  def params(self):
+    return self.model.init(jax.random.PRNGKey(0))
+
+  def test_unknown_preset(self):
+    with pytest.raises(ValueError, match="Unknown T5 preset 't5_1_1_huge'"):
+      t5.T5Config.preset("t5_1_1_huge")
+
+  def test_bad_config_fields(self):
+    with pytest.raises(ValueError, match="num_heads"):
+      t5.T5Config(num_heads=0)
+    with pytest.raises(ValueError, match="mlp_activations"):
+      t5.T5Config(mlp_activations=("swish",))
+
+  def test_token_ids_outside_vocab(self, params):
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 64\)"):
+      self.model.encode(params, np.array([[3, 64]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+      self.model.forward(params, np.array([[3, 4]]), np.array([[0, -1]]))
+
+  def test_wrong_rank_and_dtype(self, params):
+    with pytest.raises(ValueError, match=r"shape \[batch, length\]"):
+      self.model.encode(params, np.array([3, 4]))
+    with pytest.raises(ValueError, match="integer array"):
+      self.model.encode(params, np.array([[3.0, 4.0]]))
+
+  def test_tokens_beyond_cache_length(self, params):
+    cache = self.model.init_cache(params, self.model.encode(params, np.array([[5, 6]])), 4)
+    _, cache = self.model.decode(params, cache, np.array([[0, 5, 6]]))
+    with pytest.raises(ValueError, match="overflows the cache"):
+      self.model.decode(params, cache, np.array([[7, 8]]))
+    with pytest.raises(ValueError, match="cache of length 4"):
+      self.model.decode(params, cache, np.zeros((1, 5), np.int32))
+
+  def test_batch_mismatch(self, params):
+    cache = self.model.init_cache(params, self.model.encode(params, np.array([[5, 6]])), 4)
+    with pytest.raises(ValueError, match="batch"):
+      self.model.decode(params, cache, np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match="rewind lengths must have shape"):
+      cache.rewind(np.zeros(3, np.int32))
+
+  def test_bad_max_decode_len(self, params):
+    with pytest.raises(ValueError, match="max_decode_len"):
+      self.model.init_cache(params, self.model.encode(params, np.array([[5, 6]])), 0)
