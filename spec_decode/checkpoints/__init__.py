@@ -1,0 +1,115 @@
+"""Reading and writing T5 checkpoints: T5X legacy, T5X Orbax, Hugging Face.
+
+  config, params = checkpoints.load(path)               # format detected
+  config, params = checkpoints.load(path, mesh=mesh)    # each device reads its shard
+  checkpoints.save(path, config, params, format="t5x")  # or "orbax", "hf"
+
+`path` is, for T5X legacy, a checkpoint_<step> directory or the msgpack
+`checkpoint` file in it (local or gs://); for Orbax, a checkpoint_<step>
+directory holding state/ or the state directory; for Hugging Face, the model
+directory. `save` writes into `path` itself (which must be new or empty).
+The params are the tree `T5(config).init` returns; every loaded tree is
+checked against `T5(config).param_shapes()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from spec_decode.checkpoints import hf, infer, orbax_ckpt, storage, t5x_legacy
+from spec_decode.checkpoints.common import (CheckpointError, check_shapes, flatten,
+                                            materialize, resolve_dtype, unflatten)
+from spec_decode.models import t5
+
+FORMATS = ("t5x", "orbax", "hf")
+_MSGPACK_MAP_PREFIXES = (*range(0x80, 0x90), 0xDE, 0xDF)
+
+__all__ = ["CheckpointError", "FORMATS", "detect_format", "load", "save"]
+
+
+def detect_format(path) -> str:
+  """'orbax' (an Orbax _METADATA in path or path/state), 'hf' (config.json) or
+  't5x' (a msgpack `checkpoint` file, or the file itself)."""
+  path = storage.normalize(path)
+  if storage.is_file(path):
+    head = storage.read_head(path, 32) or b""
+    if head.startswith(b"model_checkpoint_path"):
+      raise CheckpointError(f"{path} is a TensorFlow checkpoint index, not a T5X checkpoint")
+    if head and head[0] in _MSGPACK_MAP_PREFIXES:
+      return "t5x"
+    raise CheckpointError(f"unknown checkpoint format: {path} is not a T5X msgpack file")
+  if not storage.is_dir(path):
+    raise CheckpointError(f"no checkpoint at {path}: it does not exist")
+  for candidate in (path, storage.join(path, orbax_ckpt.STATE_DIR)):
+    if storage.is_file(storage.join(candidate, orbax_ckpt.METADATA_FILE)):
+      return "orbax"
+  if storage.is_file(storage.join(path, hf.CONFIG_FILE)):
+    return "hf"
+  if storage.is_file(storage.join(path, t5x_legacy.CHECKPOINT_FILE)):
+    return "t5x"
+  raise CheckpointError(
+      f"unknown checkpoint format at {path}: expected a T5X '{t5x_legacy.CHECKPOINT_FILE}' "
+      f"file, an Orbax '{orbax_ckpt.STATE_DIR}/{orbax_ckpt.METADATA_FILE}', or a Hugging "
+      f"Face '{hf.CONFIG_FILE}'")
+
+
+def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
+         rules=None) -> tuple[t5.T5Config, dict]:
+  """(T5Config, params) from a checkpoint, parameters cast to `dtype`.
+
+  config: expected configuration (checked against the stored shapes); default
+    inferred from the shapes (T5X) or read from config.json (HF).
+  dtype: parameter dtype; None = bfloat16 on accelerators, float32 on CPU.
+    The returned config carries it.
+  mesh, rules: when a mesh is given, each parameter is read straight into its
+    `partitioning.param_shardings(T5(config), mesh, rules)` sharding, each
+    device reading only its block.
+  """
+  if config is not None and not isinstance(config, t5.T5Config):
+    raise CheckpointError(f"config must be a T5Config, got {type(config).__name__}")
+  fmt = detect_format(path)
+  dtype = resolve_dtype(dtype)
+  sources, file_config = None, None
+  if fmt == "orbax":
+    shapes = {name: shape for name, (shape, _) in orbax_ckpt.target_shapes(path).items()}
+  else:
+    if fmt == "hf":
+      file_config, sources = hf.open_arrays(path)
+    else:
+      sources = t5x_legacy.open_arrays(path)
+    shapes = {name: src.shape for name, src in sources.items()}
+  config = config or file_config or infer.config_from_shapes(shapes)
+  config = config.replace(dtype=dtype)
+  check_shapes(config, shapes, what=f"{fmt} checkpoint {path}")
+  shardings = None
+  if mesh is not None:
+    from spec_decode import partitioning
+    shardings = flatten(partitioning.param_shardings(t5.T5(config), mesh, rules=rules))
+  if fmt == "orbax":
+    flat = orbax_ckpt.restore(path, list(shapes), dtype, shardings)
+  else:
+    flat = materialize(sources, dtype, shardings)
+  return config, unflatten(flat)
+
+
+def save(path, config: t5.T5Config, params: Mapping[str, Any], *, format: str = "t5x",
+         step: int = 0) -> None:
+  """Writes `params` (the T5(config) tree, any dtype) as a `format` checkpoint at `path`."""
+  if format not in FORMATS:
+    raise CheckpointError(f"unknown checkpoint format {format!r}; expected one of {FORMATS}")
+  if not isinstance(config, t5.T5Config):
+    raise CheckpointError(f"config must be a T5Config, got {type(config).__name__}")
+  if not isinstance(params, Mapping):
+    raise CheckpointError(f"params must be a nested dict, got {type(params).__name__}")
+  flat = flatten(params)
+  check_shapes(config, {k: tuple(np.shape(v)) for k, v in flat.items()}, what="params")
+  path = storage.normalize(path)
+  storage.check_empty_target(path)
+  if format == "t5x":
+    t5x_legacy.write(path, flat, step=step)
+  elif format == "orbax":
+    orbax_ckpt.write(path, unflatten(flat), step=step)
+  else:
+    hf.write(path, config, flat)

@@ -1,0 +1,229 @@
+"""T5X's legacy checkpoint: a msgpack `checkpoint` file plus TensorStore zarr arrays.
+
+Layout of checkpoint_<step>/ (reference/t5x.md):
+  checkpoint                  msgpack {'version': 3, 'optimizer': {'target': ...,
+                              'state': {'step': ..., 'param_states': {...}}}};
+                              version 0 holds that state dict directly.
+  target.encoder.layers_0.attention.query.kernel/   zarr array (.zarray + chunks)
+  ...
+A leaf of the msgpack tree is either an inline array (possibly in the chunked
+dict form) or a TensorStore spec whose kvstore path is *relative* to the
+checkpoint directory. T5X writes, per array,
+  {'driver': 'zarr', 'dtype': 'float32',
+   'kvstore': {'driver': 'file', 'path': 'target.a.b'},      # or gcs + dummy bucket
+   'metadata': {'compressor': {'id': 'gzip'}, 'shape': [...], 'chunks': [...]}}
+(older specs keep 'path' at the top level). The spec's driver records where it
+was written, not where it is now: a local checkpoint directory is read with the
+file driver and a gs:// one with the gcs driver, whatever the spec says.
+Only `target/...` is read; optimizer state is never opened.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from spec_decode.checkpoints import msgpack_codec, storage
+from spec_decode.checkpoints.common import (ArraySource, CheckpointError, flatten, host_blocks,
+                                            unflatten)
+
+VERSION = 3
+CHECKPOINT_FILE = "checkpoint"
+DUMMY_BUCKET = "t5x-dummy-bucket"  # T5X writes gcs specs with this bucket, fixed up on read
+CHUNK_BYTES = 64 * 1024 * 1024  # T5X's target size of one zarr chunk
+_KV_DRIVERS = ("file", "gfile", "gcs")
+_log = logging.getLogger(__name__)
+
+
+def locate(path: str) -> tuple[str, str]:
+  """(checkpoint dir, msgpack file) for a checkpoint_<step> dir or the file inside it."""
+  path = storage.normalize(path)
+  if storage.is_file(path):
+    return storage.dirname(path), path
+  file = storage.join(path, CHECKPOINT_FILE)
+  if not storage.is_file(file):
+    raise CheckpointError(f"not a T5X checkpoint: {file} does not exist")
+  return path, file
+
+
+def is_ts_spec(x) -> bool:
+  return isinstance(x, dict) and "driver" in x and ("kvstore" in x or "path" in x)
+
+
+def resolve_spec(spec: dict, ckpt_dir: str) -> dict:
+  """An openable TensorStore spec for a relative spec from a checkpoint in `ckpt_dir`.
+
+  The kvstore is rebuilt from the checkpoint's location (file driver for a local
+  directory, gcs with the real bucket for gs://); chunking and compressor
+  metadata are dropped so the array opens with whatever it was written with.
+  """
+  spec = copy.deepcopy(spec)
+  kv = spec.get("kvstore") or {}
+  if not isinstance(kv, dict):
+    raise CheckpointError(f"unsupported TensorStore kvstore {kv!r} (expected a dict)")
+  if kv.get("driver") not in _KV_DRIVERS:
+    raise CheckpointError(f"unsupported TensorStore kvstore driver {kv.get('driver')!r}; "
+                          f"T5X checkpoints use one of {_KV_DRIVERS}")
+  rel = kv.get("path", spec.get("path"))
+  if not rel:
+    raise CheckpointError(f"TensorStore spec has no path: {spec}")
+  spec.pop("path", None)
+  spec["kvstore"] = storage.kvstore_spec(storage.join(ckpt_dir, rel))
+  spec.pop("metadata", None)
+  spec.pop("dtype", None)
+  return spec
+
+
+def read_tree(path: str) -> tuple[str, dict]:
+  """(checkpoint dir, decoded msgpack state dict) of a legacy checkpoint."""
+  ckpt_dir, file = locate(path)
+  raw = storage.read_bytes(file)
+  if raw is None:
+    raise CheckpointError(f"not a T5X checkpoint: cannot read {file}")
+  if raw.startswith(b"model_checkpoint_path"):
+    raise CheckpointError(f"{file} is a TensorFlow checkpoint index, not a T5X checkpoint; "
+                          "convert it with T5X first")
+  try:
+    contents = msgpack_codec.decode(raw)
+  except Exception as e:  # msgpack raises several unrelated types for bad data
+    raise CheckpointError(f"{file} is not a readable msgpack checkpoint "
+                          f"({type(e).__name__}: {e})") from e
+  if not isinstance(contents, dict):
+    raise CheckpointError(f"{file}: expected a msgpack map, got {type(contents).__name__}")
+  version = contents.get("version", 0)
+  state = contents if version == 0 else contents.get("optimizer")
+  if not isinstance(state, dict) or not isinstance(state.get("target"), dict):
+    keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+    raise CheckpointError(f"{file} (version {version}) has no 'target' parameter tree "
+                          f"(found {keys})")
+  return ckpt_dir, state
+
+
+def _inline_source(name: str, arr) -> ArraySource:
+  arr = np.asarray(arr)
+  return ArraySource(name, tuple(arr.shape), arr.dtype, lambda index: arr[index])
+
+
+def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context) -> ArraySource:
+  full = f"target/{name}"
+  resolved = resolve_spec(spec, ckpt_dir)
+  where = resolved["kvstore"].get("path")
+  try:
+    store = ts.open(resolved, open=True, read=True, context=context).result()
+  except Exception as e:
+    raise CheckpointError(f"parameter {full}: cannot open its array at {where} "
+                          f"(missing or corrupt zarr metadata): {e}") from e
+  shape = tuple(int(d) for d in store.shape)
+  meta_shape = (spec.get("metadata") or {}).get("shape")
+  if meta_shape is not None and tuple(int(d) for d in meta_shape) != shape:
+    raise CheckpointError(f"parameter {full}: the msgpack spec says shape "
+                          f"{tuple(meta_shape)} but the array at {where} has shape {shape}")
+  dtype = np.dtype(store.dtype.numpy_dtype)
+  if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+    raise CheckpointError(f"parameter {full}: stored as {dtype}, expected a float dtype "
+                          "(T5X checkpoint versions < 3 stored bfloat16 as uint16)")
+
+  _warn_missing_chunks(full, store, resolved["kvstore"])
+
+  def read(index):
+    try:
+      return store[index].read().result()
+    except Exception as e:
+      raise CheckpointError(f"parameter {full}: reading {where} failed (truncated or "
+                            f"corrupt chunk?): {e}") from e
+
+  return ArraySource(name, shape, dtype, read)
+
+
+def _warn_missing_chunks(name: str, store, kvstore: dict) -> None:
+  """Logs a warning when chunk files are absent: zarr reads them as the fill value (0).
+
+  Not an error: TensorStore does not store chunks equal to the fill value, so an
+  all-zero block is legitimately absent; a partly copied checkpoint looks the same.
+  """
+  chunks = store.chunk_layout.write_chunk.shape
+  expected = math.prod(-(-int(n) // int(c)) for n, c in zip(store.shape, chunks))
+  try:
+    directory = dict(kvstore, path=kvstore["path"].rstrip("/") + "/")
+    keys = ts.KvStore.open(directory).result().list().result()
+  except Exception:  # listing is advisory; the reads report real failures
+    return
+  found = sum(1 for k in keys if not k.rsplit(b"/", 1)[-1].startswith(b"."))
+  if found < expected:
+    _log.warning("parameter %s: %d of %d chunks are absent and read as zeros "
+                 "(an incompletely copied checkpoint?)", name, expected - found, expected)
+
+
+def open_arrays(path: str) -> dict[str, ArraySource]:
+  """{T5X parameter path: ArraySource} for everything under `target`."""
+  ckpt_dir, state = read_tree(path)
+  context = ts.Context({"file_io_concurrency": {"limit": 64}})
+  sources = {}
+  for name, leaf in flatten(state["target"], is_leaf=is_ts_spec).items():
+    if is_ts_spec(leaf):
+      sources[name] = _ts_source(name, leaf, ckpt_dir, context)
+    elif isinstance(leaf, (np.ndarray, np.generic)):
+      sources[name] = _inline_source(name, leaf)
+    else:
+      raise CheckpointError(f"parameter target/{name}: unsupported msgpack leaf of type "
+                            f"{type(leaf).__name__}")
+  return sources
+
+
+# ---------------------------------------------------------------- writing
+def chunk_shape(shape, max_elements: int) -> list[int]:
+  """A chunk shape dividing `shape` with at most `max_elements` elements.
+
+  Repeatedly shrinks the currently largest dimension to its next smaller
+  divisor (as T5X does), so chunks tile the array exactly.
+  """
+  current = [int(d) for d in shape]
+  while math.prod(current) > max(1, max_elements):
+    i = max(range(len(current)), key=lambda j: current[j])
+    n = current[i]
+    current[i] = max(d for d in range(1, n) if shape[i] % d == 0) if n > 1 else 1
+  return current
+
+
+def array_spec(name: str, shape, dtype, *, gcs: bool, chunk_bytes: int = CHUNK_BYTES) -> dict:
+  """The relative spec T5X writes for parameter `name` (e.g. 'target/encoder/...')."""
+  key = name.replace("/", ".")
+  kv = {"driver": "gcs", "bucket": DUMMY_BUCKET, "path": key} if gcs else \
+      {"driver": "file", "path": key}
+  dtype = np.dtype(dtype)
+  return {"driver": "zarr", "dtype": dtype.name, "kvstore": kv,
+          "metadata": {"compressor": {"id": "gzip"}, "shape": [int(d) for d in shape],
+                       "chunks": chunk_shape(shape, chunk_bytes // dtype.itemsize)}}
+
+
+def write(path: str, flat_params: dict, *, step: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+  """Writes {T5X path: array} as a version-3 legacy checkpoint in directory `path`.
+
+  Arrays keep their dtype. The optimizer state holds only the step (empty
+  param_states): T5X reads the parameters with its standalone checkpoint
+  loader, or restores them for training with a non-strict RestoreCheckpointConfig
+  (strict=False, fallback_to_scratch=True) that initializes the optimizer slots.
+  """
+  path = storage.normalize(path)
+  gcs = storage.is_gcs(path)
+  context = ts.Context({"file_io_concurrency": {"limit": 64}})
+  specs = {}
+  for name, value in flat_params.items():
+    spec = array_spec(f"target/{name}", value.shape, value.dtype, gcs=gcs,
+                      chunk_bytes=chunk_bytes)
+    target = dict(spec, kvstore=storage.kvstore_spec(
+        storage.join(path, spec["kvstore"]["path"])))
+    store = ts.open(target, create=True, delete_existing=True, context=context).result()
+    for index, block in host_blocks(value):
+      store[index].write(block).result()
+    specs[name] = spec
+  if jax.process_index() == 0:
+    tree = {"version": VERSION,
+            "optimizer": {"target": unflatten(specs),
+                          "state": {"step": np.asarray(step, np.int32), "param_states": {}}}}
+    storage.write_bytes(storage.join(path, CHECKPOINT_FILE), msgpack_codec.encode(tree))
