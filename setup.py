@@ -34,6 +34,14 @@ setuptools.setup(
             "torch==2.13.0",
             "transformers",
         ],
-        "data": ["seqio", "sacrebleu", "rouge-score"],
+        # seqio pulls TensorFlow; versions tested together with jax 0.10 / numpy 2.4.
+        "data": [
+            "seqio==0.0.20",
+            "tensorflow==2.21.0",
+            "tensorflow-text==2.21.1",
+            "tensorflow-datasets==4.9.10",
+            "sacrebleu==2.6.0",
+            "rouge-score==0.1.2",
+        ],
     },
 )

@@ -1,0 +1,183 @@
+"""seqio tasks: T5's wmt_t2t_ende_v003 and cnn_dailymail_v002, and offline tasks.
+
+Importing this module imports seqio and TensorFlow; `spec_decode.data` loads
+it only when a task is used.
+
+The real tasks follow T5's definitions (reference/t5x.md): a TFDS source, a
+text preprocessor (`preprocessors.translate` / `summarize`), seqio's
+`tokenize`, a cache placeholder and `append_eos_after_trim`; outputs 'inputs'
+(optional) and 'targets', both with EOS; metric corpus BLEU / ROUGE with T5's
+settings (`spec_decode.metrics`). Offline tasks (`register_offline_task`) run
+through the same seqio Task machinery with a FunctionDataSource, so the
+pipeline tests and demos exercise is the one a TPU run uses on WMT or CNN/DM.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Iterable, Mapping, Sequence
+
+import seqio
+import tensorflow as tf
+
+from spec_decode import metrics
+from spec_decode.data import preprocessors, vocab
+
+METRICS: dict[str, Callable] = {"bleu": metrics.bleu, "rouge": metrics.rouge}
+
+# name: (TFDS name, text preprocessor, metric, splits)
+T5_TASKS = {
+    "wmt_t2t_ende_v003": (
+        "wmt_t2t_translate/de-en:1.0.0",
+        functools.partial(preprocessors.translate, source_language="en",
+                          target_language="de"),
+        "bleu", ("train", "validation", "test")),
+    "cnn_dailymail_v002": (
+        "cnn_dailymail:3.4.0",
+        functools.partial(preprocessors.summarize, article_key="article",
+                          summary_key="highlights"),
+        "rouge", ("train", "validation", "test")),
+}
+
+_t5_vocabulary_ids: dict[str, str] = {}   # task name -> identity of its vocabulary
+_offline_tasks: set[str] = set()
+_builtin_offline_registered = False
+
+
+def output_features(vocabulary: seqio.Vocabulary) -> dict[str, seqio.Feature]:
+  """T5's features: 'inputs' (not required, so decoder-only use works) and 'targets', EOS on."""
+  return {"inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True, required=False),
+          "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True)}
+
+
+def _text_pipeline(text_preprocessor) -> list:
+  return [text_preprocessor, seqio.preprocessors.tokenize, seqio.CacheDatasetPlaceholder(),
+          seqio.preprocessors.append_eos_after_trim]
+
+
+def _vocabulary_id(vocabulary) -> str:
+  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
+    return f"spm:{vocabulary.sentencepiece_model_file}:{vocabulary.extra_ids}"
+  return f"{type(vocabulary).__name__}:{id(vocabulary)}"
+
+
+def _replace(name: str, task_factory: Callable[[], seqio.Task]) -> seqio.Task:
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  return task_factory()
+
+
+def register_t5_task(name: str, *, vocabulary=None) -> seqio.Task:
+  """(Re)registers T5 task `name` with `vocabulary` (default: T5's cc_all.32000 + 100)."""
+  if name not in T5_TASKS:
+    raise ValueError(f"unknown T5 task {name!r}; known: {sorted(T5_TASKS)}")
+  tfds_name, text_preprocessor, metric, splits = T5_TASKS[name]
+  voc = vocab.get_vocabulary(vocabulary)
+  task = _replace(name, lambda: seqio.TaskRegistry.add(
+      name,
+      source=seqio.TfdsDataSource(tfds_name=tfds_name, splits=splits),
+      preprocessors=_text_pipeline(text_preprocessor),
+      output_features=output_features(voc),
+      metric_fns=[METRICS[metric]]))
+  _t5_vocabulary_ids[name] = _vocabulary_id(voc)
+  return task
+
+
+def register_offline_task(name: str, *, examples_fn: Callable[[str], Sequence[Mapping[str, str]]],
+                          vocabulary, metric: str, input_prefix: str = "",
+                          splits: Iterable[str] = ("train", "validation", "test")) -> seqio.Task:
+  """Registers (or replaces) an offline seqio task.
+
+  examples_fn(split) -> [{'inputs': str, 'targets': str}, ...], called once per
+  split. vocabulary: a seqio.Vocabulary or the path of a SentencePiece model
+  (no extra ids). metric: 'bleu' or 'rouge'. input_prefix is prepended to the
+  inputs (like T5's task prefixes). Same tokenize / EOS steps as the T5 tasks.
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"task name must be a non-empty str, got {name!r}")
+  if metric not in METRICS:
+    raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
+  if not callable(examples_fn):
+    raise ValueError("examples_fn must be callable: examples_fn(split) -> list of dicts")
+  splits = tuple(splits)
+  voc = vocab.get_vocabulary(vocabulary, extra_ids=0)
+
+  @functools.lru_cache(maxsize=None)
+  def examples(split: str) -> tuple[tuple[str, str], ...]:
+    rows = examples_fn(split)
+    out = []
+    for i, ex in enumerate(rows):
+      if not isinstance(ex, Mapping) or not all(isinstance(ex.get(k), str)
+                                                for k in ("inputs", "targets")):
+        raise ValueError(f"task {name!r} split {split!r} example {i} must be a dict with str "
+                         f"'inputs' and 'targets', got {ex!r}")
+      out.append((ex["inputs"], ex["targets"]))
+    return tuple(out)
+
+  def dataset_fn(split: str, shuffle_files: bool, seed=None) -> tf.data.Dataset:
+    del shuffle_files, seed  # one in-memory "file"; order is the examples_fn order
+    rows = examples(split)
+    return tf.data.Dataset.from_tensor_slices({
+        "inputs": tf.constant([r[0] for r in rows], tf.string, shape=[len(rows)]),
+        "targets": tf.constant([r[1] for r in rows], tf.string, shape=[len(rows)])})
+
+  task = _replace(name, lambda: seqio.TaskRegistry.add(
+      name,
+      source=seqio.FunctionDataSource(dataset_fn, splits=splits),
+      preprocessors=_text_pipeline(functools.partial(preprocessors.add_prefix,
+                                                     prefix=input_prefix)),
+      output_features=output_features(voc),
+      metric_fns=[METRICS[metric]]))
+  _offline_tasks.add(name)
+  return task
+
+
+def offline_task_names() -> tuple[str, ...]:
+  return tuple(sorted(_offline_tasks))
+
+
+def register_builtin_offline_tasks() -> None:
+  """Registers the package's offline tasks once: toy tasks and, if present, synthetic ones."""
+  global _builtin_offline_registered
+  if _builtin_offline_registered:
+    return
+  from spec_decode.data import toy_tasks
+  toy_tasks.register()
+  try:
+    from spec_decode.data import synthetic_tasks
+  except ModuleNotFoundError as e:
+    if e.name != "spec_decode.data.synthetic_tasks":
+      raise
+  else:
+    synthetic_tasks.register()
+  _builtin_offline_registered = True
+
+
+def get_task(name: str, *, vocabulary=None, tfds_data_dir: str | os.PathLike | None = None
+             ) -> seqio.Task:
+  """The seqio Task `name`, registering it first if it is one this package defines.
+
+  vocabulary: for T5's tasks, a SentencePiece path or seqio.Vocabulary to use
+  instead of the default (the task is re-registered when it changes).
+  tfds_data_dir: where TFDS finds prepared datasets (default: TFDS's own).
+  """
+  if tfds_data_dir is not None:
+    seqio.set_tfds_data_dir_override(os.fspath(tfds_data_dir))
+  if name in T5_TASKS:
+    if vocabulary is not None or name not in _t5_vocabulary_ids:
+      voc = vocab.get_vocabulary(vocabulary)
+      if _t5_vocabulary_ids.get(name) != _vocabulary_id(voc):
+        register_t5_task(name, vocabulary=voc)
+    return seqio.TaskRegistry.get(name)
+  if vocabulary is not None:
+    raise ValueError(f"vocabulary can only be set for T5's tasks {sorted(T5_TASKS)}; "
+                     f"offline task {name!r} carries its own")
+  if name not in seqio.TaskRegistry.names():
+    register_builtin_offline_tasks()
+  if name not in seqio.TaskRegistry.names():
+    if name in seqio.MixtureRegistry.names():
+      raise ValueError(f"{name!r} is a seqio Mixture; an experiment evaluates one Task")
+    known = sorted(set(T5_TASKS) | set(seqio.TaskRegistry.names()))
+    raise ValueError(f"unknown task {name!r}; known tasks: {known}")
+  return seqio.TaskRegistry.get(name)

@@ -1,0 +1,328 @@
+"""One experiment: a target and a draft on N examples of a task, baseline vs speculative.
+
+  results = run_experiment(ExperimentConfig(
+      target=ModelSpec(checkpoint=".../t5_1_1_xxl"), draft=ModelSpec(checkpoint=".../small"),
+      task="wmt_t2t_ende_v003", gamma=7), output_dir="/tmp/ende_small")
+
+Both decoders run on the same batches with the same sampling settings, PRNG
+key and row ids (the example indices, so a row's randomness does not depend on
+its batch and a resumed run reproduces an uninterrupted one). Each batch is
+timed after compilation (the first call of each decoder is timed on its own
+and reported as compile time); `timing_repeats` > 1 takes the median of that
+many runs per batch. c is measured in the same run as the median
+single-token decode step of draft over target on one batch
+(`timing.step_time`). Rows are appended to `predictions.jsonl` after every
+batch; a rerun with the same output_dir skips the examples already there, and
+the summary (`results.json`, `table_row.md`, see `spec_decode.report`) is
+always computed from all rows. See `spec_decode.results` for the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_decode import data, decoding, metrics, model_specs, report, results, timing
+from spec_decode.model_specs import LoadContext, ModelSpec
+from spec_decode.models.t5 import BOS_ID
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Settings of one experiment (everything but where its files go).
+
+  target, draft: the models. task, split, num_examples (None = the whole
+  split): the data; feature_lengths: seqio input/target lengths (inputs are
+  cut to fit); max_decode_len: default feature_lengths['targets'].
+  gamma, lenience: speculative decoding; temperature, top_k, top_p: sampling,
+  the same for both decoders (temperature 0 = greedy). seed: the PRNG key.
+  run_baseline: also decode autoregressively (needed for the speedup).
+  timing_repeats: timed runs per batch (median). step_timing_repeats: runs of
+  each single-step measurement for c. mesh: e.g. 'data=1,model=4' to shard
+  over the local devices. vocabulary: SentencePiece model for T5's tasks
+  instead of gs://t5-data's; tfds_data_dir: where TFDS data is prepared.
+  """
+  target: ModelSpec
+  draft: ModelSpec
+  task: str
+  split: str = "validation"
+  num_examples: int | None = 100
+  batch_size: int = 1
+  feature_lengths: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {"inputs": 64, "targets": 64})
+  max_decode_len: int | None = None
+  gamma: int = 7
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  lenience: float = 1.0
+  seed: int = 0
+  run_baseline: bool = True
+  timing_repeats: int = 1
+  step_timing_repeats: int = 10
+  mesh: str | None = None
+  vocabulary: str | None = None
+  tfds_data_dir: str | None = None
+
+  def __post_init__(self):
+    for role in ("target", "draft"):
+      if not isinstance(getattr(self, role), ModelSpec):
+        raise ValueError(f"ExperimentConfig.{role} must be a ModelSpec, got "
+                         f"{type(getattr(self, role)).__name__}")
+    if not isinstance(self.task, str) or not self.task:
+      raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
+    if not _is_int(self.gamma) or self.gamma < 1:
+      raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+    for name in ("batch_size", "timing_repeats", "step_timing_repeats"):
+      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+        raise ValueError(f"ExperimentConfig.{name} must be an int >= 1, "
+                         f"got {getattr(self, name)!r}")
+    if self.num_examples is not None and (not _is_int(self.num_examples)
+                                          or self.num_examples < 1):
+      raise ValueError(f"num_examples must be an int >= 1 or None, got {self.num_examples!r}")
+    object.__setattr__(self, "feature_lengths", data.check_feature_lengths(self.feature_lengths))
+    if self.max_decode_len is not None and (not _is_int(self.max_decode_len)
+                                            or self.max_decode_len < 1):
+      raise ValueError(f"max_decode_len must be an int >= 1 or None, got {self.max_decode_len!r}")
+    if not 0.0 < self.lenience <= 1.0:
+      raise ValueError(f"lenience must be in (0, 1], got {self.lenience}")
+    decoding.Sampling(temperature=float(self.temperature), top_k=self.top_k,
+                      top_p=float(self.top_p))  # validates them
+
+  @property
+  def sampling(self) -> decoding.Sampling:
+    return decoding.Sampling(temperature=float(self.temperature), top_k=self.top_k,
+                             top_p=float(self.top_p))
+
+  @property
+  def decode_len(self) -> int:
+    return self.max_decode_len or self.feature_lengths["targets"]
+
+  def to_json(self) -> dict:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["target"], d["draft"] = self.target.to_json(), self.draft.to_json()
+    d["feature_lengths"] = dict(self.feature_lengths)
+    return d
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """Everything loaded for a run."""
+  config: ExperimentConfig
+  task: Any
+  examples: tuple[data.Example, ...]
+  target: Any
+  target_params: Any
+  draft: Any
+  draft_params: Any
+  mesh: Any
+
+  @property
+  def vocabulary(self):
+    return self.task.output_features["targets"].vocabulary
+
+
+def setup(config: ExperimentConfig) -> _Setup:
+  """Resolves the task, examples, mesh and models (local checkpoint paths checked first)."""
+  for role in ("target", "draft"):
+    model_specs.check_checkpoint(getattr(config, role), role)
+  task = data.get_task(config.task, **({"vocabulary": config.vocabulary}
+                                       if config.vocabulary else {}),
+                       **({"tfds_data_dir": config.tfds_data_dir}
+                          if config.tfds_data_dir else {}))
+  examples = data.load_examples(task, split=config.split, num_examples=config.num_examples,
+                                feature_lengths=config.feature_lengths)
+  mesh = None
+  if config.mesh:
+    from spec_decode import partitioning
+    mesh = partitioning.make_mesh(config.mesh)
+  target, tparams = model_specs.load(config.target, LoadContext("target", mesh=mesh))
+  vocab_size = task.output_features["targets"].vocabulary.vocab_size
+  if vocab_size > target.vocab_size:
+    raise ValueError(f"task {config.task!r} has a vocabulary of {vocab_size} ids but the target "
+                     f"model only {target.vocab_size}")
+
+  def target_sequences(split: str, n: int | None) -> list[tuple[int, ...]]:
+    exs = data.load_examples(task, split=split, num_examples=n,
+                             feature_lengths=config.feature_lengths)
+    return [ex.target_tokens for ex in exs]
+
+  draft, dparams = model_specs.load(config.draft, LoadContext(
+      "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
+  if mesh is not None:  # the decoders' layouts: target by T5X's rules, draft replicated
+    from spec_decode import partitioning
+    tparams = partitioning.put(tparams, partitioning.param_shardings(target, mesh,
+                                                                     params=tparams))
+    dparams = partitioning.put(dparams, partitioning.param_shardings(
+        draft, mesh, partitioning.data_parallel_rules(), params=dparams))
+  return _Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh)
+
+
+def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.DecodeResult]]:
+  cfg = s.config
+  common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
+                rng=jax.random.PRNGKey(cfg.seed))
+  if s.mesh is not None:
+    common["mesh"] = s.mesh
+  fns = {"speculative": lambda enc, ids: decoding.speculative(
+      s.target, s.target_params, s.draft, s.draft_params, enc, gamma=cfg.gamma,
+      lenience=cfg.lenience, row_ids=ids, **common)}
+  if cfg.run_baseline:
+    fns["autoregressive"] = lambda enc, ids: decoding.autoregressive(
+        s.target, s.target_params, enc, row_ids=ids, **common)
+  return fns
+
+
+def _greedy_matches(draft, draft_params, encoder_tokens, tokens) -> np.ndarray:
+  """[B, L] bool: the draft's argmax after each output prefix equals the output token."""
+  L = tokens.shape[1]
+  decoder_in = jnp.concatenate([jnp.full((tokens.shape[0], 1), BOS_ID, jnp.int32),
+                                jnp.asarray(tokens[:, :-1], jnp.int32)], axis=1)
+  cache = draft.init_cache(draft_params, draft.encode(draft_params, encoder_tokens), L)
+  logits, _ = draft.decode(draft_params, cache, decoder_in)
+  return np.asarray(jnp.argmax(logits, axis=-1) == jnp.asarray(tokens))
+
+
+def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, Any],
+                seconds: Mapping[str, float], batch_key: str) -> list[dict]:
+  cfg = s.config
+  spec = outputs["speculative"]
+  ar = outputs.get("autoregressive")
+  tokens, lengths = np.asarray(spec.tokens), np.asarray(spec.lengths)
+  st = {k: np.asarray(getattr(spec.stats, k)) for k in
+        ("target_calls", "draft_tokens", "accepted", "decisions", "min_pq_sum")}
+  matches = None
+  if cfg.sampling.greedy:
+    matches = _greedy_matches(s.draft, s.draft_params, outputs["encoder_tokens"], tokens)
+  rows = []
+  for r, ex in enumerate(batch):
+    spec_tokens = data.output_tokens(tokens[r], lengths[r])
+    row = {"index": ex.index, "inputs": ex.inputs, "target": ex.targets,
+           "spec_output": data.detokenize(s.vocabulary, spec_tokens), "spec_tokens": spec_tokens,
+           "spec_length": int(lengths[r]), "batch": batch_key, "batch_rows": len(batch),
+           "spec_batch_seconds": seconds["speculative"],
+           **{k: (float(v[r]) if k == "min_pq_sum" else int(v[r])) for k, v in st.items()}}
+    if matches is not None:
+      accepted_at, reached_at = metrics.replay_greedy_blocks(matches[r, :lengths[r]],
+                                                             gamma=cfg.gamma)
+      row["accepted_at"], row["reached_at"] = accepted_at.tolist(), reached_at.tolist()
+    if ar is not None:
+      ar_tokens = data.output_tokens(np.asarray(ar.tokens)[r], np.asarray(ar.lengths)[r])
+      row.update(ar_output=data.detokenize(s.vocabulary, ar_tokens), ar_tokens=ar_tokens,
+                 ar_length=len(ar_tokens),
+                 ar_target_calls=int(np.asarray(ar.stats.target_calls)[r]),
+                 identical=ar_tokens == spec_tokens,
+                 ar_batch_seconds=seconds["autoregressive"])
+    rows.append(row)
+  return rows
+
+
+def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, *,
+                      show_progress: bool, on_batch: Callable[[int], None] | None
+                      ) -> dict[str, dict[str, float]]:
+  """Decodes `todo` batch by batch, appending rows after each.
+
+  Returns per decoder the first call's seconds (compilation + one run of the
+  first batch) and the compile estimate: that minus the timed run of the batch.
+  """
+  cfg = s.config
+  fns = _decoders(s)
+  B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
+  batches = [todo[i:i + B] for i in range(0, len(todo), B)]
+
+  def inputs(batch):
+    enc = jnp.asarray(data.encoder_batch(batch, batch_size=B, input_length=S))
+    ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
+    return enc, jnp.asarray(ids)
+
+  first_call = {name: timing.timed(lambda f=f: f(*inputs(batches[0]))).median
+                for name, f in fns.items()}
+  run_id = uuid.uuid4().hex[:12]
+  path = f"{output_dir}/{results.PREDICTIONS}"
+  bar = None
+  if show_progress:
+    from tqdm import tqdm
+    bar = tqdm(total=len(s.examples), initial=len(s.examples) - len(todo),
+               desc=f"{cfg.task} {cfg.split}", unit="ex")
+  compile_s = {}
+  try:
+    for b, batch in enumerate(batches):
+      enc, ids = inputs(batch)
+      outputs, seconds = {"encoder_tokens": enc}, {}
+      for name, f in fns.items():
+        t = timing.timed(lambda f=f: f(enc, ids), repeats=cfg.timing_repeats)
+        outputs[name], seconds[name] = t.result, t.median
+      if b == 0:
+        compile_s = {name: max(first_call[name] - seconds[name], 0.0) for name in fns}
+      results.append_rows(path, _batch_rows(s, batch, outputs, seconds, f"{run_id}:{b}"))
+      if bar is not None:
+        bar.update(len(batch))
+      if on_batch is not None:
+        on_batch(b)
+  finally:
+    if bar is not None:
+      bar.close()
+  return {"first_call_seconds": first_call, "compile_seconds": compile_s}
+
+
+def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, float]:
+  """Target and draft single-token step times on one batch, c, and the verify cost ratio."""
+  cfg = s.config
+  batch = s.examples[:cfg.batch_size]
+  enc = jnp.asarray(data.encoder_batch(batch, batch_size=cfg.batch_size,
+                                       input_length=cfg.feature_lengths["inputs"]))
+  if s.mesh is not None:
+    from spec_decode import partitioning
+    enc = partitioning.put(enc, partitioning.batch_sharding(s.mesh, enc.shape))
+  length = cfg.decode_len + cfg.gamma + 1  # the speculative loop's cache size
+  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats)
+  target_s = timing.step_time(s.target, s.target_params, enc, **kw)
+  draft_s = timing.step_time(s.draft, s.draft_params, enc, **kw)
+  verify_s = timing.step_time(s.target, s.target_params, enc, num_tokens=cfg.gamma + 1, **kw)
+  return {"target_step_seconds": target_s, "draft_step_seconds": draft_s,
+          "verify_seconds": verify_s, "c": draft_s / target_s,
+          "verify_ratio": verify_s / target_s}
+
+
+def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: bool = True,
+                   on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
+  """Runs (or resumes) `config` into output_dir and returns the results dict.
+
+  on_batch(b) is called after batch b's rows are written (e.g. for logging).
+  """
+  if not isinstance(config, ExperimentConfig):
+    raise ValueError(f"config must be an ExperimentConfig, got {type(config).__name__}")
+  start = time.perf_counter()
+  s = setup(config)  # before anything is written: a config that fails leaves no trace
+  results.check_config(output_dir, config.to_json(),
+                       may_differ=("num_examples", "timing_repeats", "step_timing_repeats"))
+  path = f"{output_dir}/{results.PREDICTIONS}"
+  rows = results.read_rows(path)
+  todo = [ex for ex in s.examples if ex.index not in rows]
+  compile_times = {}  # this run's; empty when nothing was left to decode
+  if todo:
+    compile_times = _decode_remaining(s, todo, output_dir, show_progress=show_progress,
+                                      on_batch=on_batch)
+    rows = results.read_rows(path)
+  results.write_json(f"{output_dir}/{results.PROGRESS}",
+                     {"completed": sum(ex.index in rows for ex in s.examples),
+                      "total": len(s.examples)})
+  step_times = measure_step_times(s, repeats=config.step_timing_repeats)
+  summary = report.summarize(config, metric_fns=s.task.metric_fns, examples=s.examples,
+                             rows=rows, step_times=step_times, compile_times=compile_times)
+  summary["timing"]["run_seconds"] = time.perf_counter() - start
+  results.write_json(f"{output_dir}/{results.RESULTS}", summary)
+  results.write_text(f"{output_dir}/{results.TABLE_ROW}",
+                     report.TABLE_HEADER + summary["table_row"] + "\n")
+  return summary

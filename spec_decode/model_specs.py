@@ -1,0 +1,194 @@
+"""What an experiment decodes with: `ModelSpec` (a checkpoint or a random preset) and loading.
+
+  ModelSpec(checkpoint="gs://.../checkpoint_1000000", name="T5-XXL")  # T5X / Orbax / HF
+  ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 259}, seed=0)  # random init
+  ModelSpec(kind="ngram", options={"order": 2})                       # fit on the task
+
+`load(spec, ...)` returns (model, params) for any registered `kind`; a new
+drafter kind registers its loader with `register_kind` and the experiment
+code does not change. Loaders receive a `LoadContext`: the role ('target' or
+'draft'), the vocabulary size to match, a mesh, and a way to read the task's
+token sequences (for drafters fit on data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from spec_decode.models import t5
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model to load.
+
+  kind: 't5' or 'ngram' (or any kind added with `register_kind`).
+  checkpoint: path of a checkpoint (T5X legacy, T5X Orbax or Hugging Face dir).
+  preset: a `T5Config` preset; without a checkpoint the model is randomly
+    initialized from `seed`; with one, the loaded shapes must match it.
+  config: T5Config field overrides on top of the preset (e.g. vocab_size).
+  dtype: parameter/activation dtype name; None = bfloat16 on accelerators and
+    float32 on CPU for checkpoints, float32 for random models.
+  name: label in tables (default: preset or checkpoint directory name).
+  options: kind-specific settings (ngram: order, split, num_examples, smoothing).
+  """
+  kind: str = "t5"
+  checkpoint: str | None = None
+  preset: str | None = None
+  config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  seed: int = 0
+  dtype: str | None = None
+  name: str | None = None
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if not isinstance(self.kind, str) or not self.kind:
+      raise ValueError(f"ModelSpec.kind must be a non-empty str, got {self.kind!r}")
+    if self.checkpoint is not None and (not isinstance(self.checkpoint, (str, os.PathLike))
+                                        or not os.fspath(self.checkpoint)):
+      raise ValueError(f"ModelSpec.checkpoint must be a path, got {self.checkpoint!r}")
+    if self.kind == "t5" and self.checkpoint is None and self.preset is None and not self.config:
+      raise ValueError("a t5 ModelSpec needs a checkpoint, a preset or a config")
+    if self.preset is not None and self.preset not in t5.PRESETS:
+      raise ValueError(f"unknown T5 preset {self.preset!r}; known presets: {sorted(t5.PRESETS)}")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+      raise ValueError(f"ModelSpec.seed must be an int, got {self.seed!r}")
+    if self.dtype is not None:
+      try:
+        dt = jnp.dtype(self.dtype)
+      except TypeError as e:
+        raise ValueError(f"ModelSpec.dtype {self.dtype!r} is not a dtype") from e
+      if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"ModelSpec.dtype must be a floating dtype, got {self.dtype!r}")
+    object.__setattr__(self, "config", dict(self.config))
+    object.__setattr__(self, "options", dict(self.options))
+
+  @property
+  def label(self) -> str:
+    if self.name:
+      return self.name
+    if self.checkpoint is not None:
+      return os.path.basename(os.path.normpath(os.fspath(self.checkpoint))) or str(self.checkpoint)
+    if self.kind == "ngram":
+      return {1: "unigram", 2: "bigram"}.get(self.options.get("order"), "ngram")
+    return self.preset or self.kind
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["checkpoint"] = None if self.checkpoint is None else os.fspath(self.checkpoint)
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadContext:
+  """What a loader may use besides the spec.
+
+  role: 'target' or 'draft' (for messages). vocab_size: the vocabulary the
+  model must have (the target's, for drafts), or None. mesh: optional
+  jax.sharding.Mesh to load parameters into. target_sequences(split, n): token
+  id sequences (targets, EOS-terminated) of the experiment's task.
+  """
+  role: str
+  vocab_size: int | None = None
+  mesh: Any = None
+  target_sequences: Callable[[str, int | None], Sequence[Sequence[int]]] | None = None
+
+
+Loader = Callable[[ModelSpec, LoadContext], tuple[Any, Any]]
+_LOADERS: dict[str, Loader] = {}
+
+
+def register_kind(kind: str, loader: Loader) -> None:
+  """Makes ModelSpec(kind=kind) loadable: loader(spec, context) -> (model, params)."""
+  _LOADERS[kind] = loader
+
+
+def load(spec: ModelSpec, context: LoadContext) -> tuple[Any, Any]:
+  """(model, params) for `spec`; the model implements the `Decoder` protocol."""
+  if not isinstance(spec, ModelSpec):
+    raise ValueError(f"{context.role} must be a ModelSpec, got {type(spec).__name__}")
+  if spec.kind not in _LOADERS:
+    raise ValueError(f"unknown model kind {spec.kind!r} for the {context.role}; "
+                     f"known: {sorted(_LOADERS)}")
+  model, params = _LOADERS[spec.kind](spec, context)
+  if context.vocab_size is not None and model.vocab_size != context.vocab_size:
+    raise ValueError(f"the {context.role} ({spec.label}) has vocab_size {model.vocab_size}, "
+                     f"expected {context.vocab_size}")
+  return model, params
+
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_checkpoint(path) -> str:
+  """`path` itself if it exists (or is a URL), else relative to the repository root if there.
+
+  So configs can name the shipped demo_models/... and run from any directory.
+  """
+  path = os.fspath(path)
+  if "://" in path or os.path.isabs(path) or os.path.exists(path):
+    return path
+  in_repo = os.path.join(_REPO_ROOT, path)
+  return in_repo if os.path.exists(in_repo) else path
+
+
+def check_checkpoint(spec: ModelSpec, role: str) -> None:
+  """Raises FileNotFoundError if the spec names a local checkpoint path that does not exist."""
+  if spec.checkpoint is None:
+    return
+  path = resolve_checkpoint(spec.checkpoint)
+  if "://" not in path and not os.path.exists(path):
+    raise FileNotFoundError(f"{role} checkpoint not found: {os.path.abspath(path)}")
+
+
+_SHAPE_FIELDS = ("vocab_size", "emb_dim", "num_heads", "num_encoder_layers",
+                 "num_decoder_layers", "head_dim", "mlp_dim")
+
+
+def _load_t5(spec: ModelSpec, context: LoadContext) -> tuple[t5.T5, dict]:
+  expected = None
+  if spec.preset is not None:
+    expected = t5.T5Config.preset(spec.preset, **spec.config)
+  elif spec.config:
+    expected = t5.T5Config(**spec.config)
+  if spec.checkpoint is None:
+    model = t5.T5(expected.replace(dtype=jnp.dtype(spec.dtype or jnp.float32)))
+    return model, model.init(jax.random.PRNGKey(spec.seed))
+  check_checkpoint(spec, context.role)
+  path = resolve_checkpoint(spec.checkpoint)
+  from spec_decode import checkpoints
+  config, params = checkpoints.load(path, dtype=spec.dtype, mesh=context.mesh)
+  if expected is not None:
+    diff = {f: (getattr(config, f), getattr(expected, f)) for f in _SHAPE_FIELDS
+            if getattr(config, f) != getattr(expected, f)}
+    if diff:
+      raise ValueError(f"the {context.role} checkpoint {path} does not match the preset/config "
+                       f"of its ModelSpec: (checkpoint, spec) = {diff}")
+  return t5.T5(config), params
+
+
+def _load_ngram(spec: ModelSpec, context: LoadContext):
+  from spec_decode.models import ngram
+  opts = dict(spec.options)
+  unknown = set(opts) - {"order", "split", "num_examples", "smoothing"}
+  if unknown:
+    raise ValueError(f"unknown ngram options {sorted(unknown)} for the {context.role}")
+  if spec.checkpoint is not None:
+    raise ValueError("ngram drafts are fit on the task's data; they take no checkpoint")
+  if context.vocab_size is None or context.target_sequences is None:
+    raise ValueError(f"an ngram {context.role} needs the target's vocabulary and a task to fit on")
+  order = opts.get("order", 2)
+  sequences = context.target_sequences(opts.get("split", "train"), opts.get("num_examples"))
+  model = ngram.NGramDecoder(vocab_size=context.vocab_size, order=order)
+  params = ngram.fit(sequences, order=order, vocab_size=context.vocab_size,
+                     smoothing=float(opts.get("smoothing", 0.0)))
+  return model, params
+
+
+register_kind("t5", _load_t5)
+register_kind("ngram", _load_ngram)

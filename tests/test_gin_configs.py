@@ -1,0 +1,107 @@
+"""Every .gin file in the repository parses and builds its config objects."""
+
+import glob
+import os
+
+import gin
+import pytest
+
+from spec_decode import data, experiment, main, model_specs
+
+ROOT = main.REPO_ROOT
+ALL_GIN = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/**/*.gin", recursive=True))
+# Values for the macros a user must fill in (checkpoint paths).
+REQUIRED = ["CHECKPOINT_PATH = '/ckpt/target'", "DRAFT_CHECKPOINT_PATH = '/ckpt/draft'"]
+# A complete experiment that a building block from gin/<kind>/ replaces one part of.
+BASE = {"runs": "gin/runs/benchmark.gin", "tasks": "gin/tasks/toy_reverse.gin",
+        "models": "gin/models/random_mini.gin", "drafts": "gin/drafts/random_tiny.gin"}
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  main.register_gin()
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def _bound(cls) -> bool:
+  """Whether the parsed config binds parameters of `cls` (gin keys: (scope, selector))."""
+  selector = f"{cls.__module__}.{cls.__name__}"
+  return any(sel == selector for _, sel in gin.config._CONFIG)
+
+
+def _build():
+  """Builds each configured top-level object (ExperimentConfig, TrainConfig); returns the first."""
+  from spec_decode import train
+  built = []
+  if _bound(experiment.ExperimentConfig):
+    cfg = gin.get_configurable(experiment.ExperimentConfig)()
+    assert isinstance(cfg.target, model_specs.ModelSpec)
+    assert isinstance(cfg.draft, model_specs.ModelSpec)
+    assert cfg.task in data.task_names()
+    built.append(cfg)
+  if _bound(train.TrainConfig):
+    built.append(gin.get_configurable(train.TrainConfig)())
+  assert built, "the file configures neither ExperimentConfig nor TrainConfig"
+  return built[0]
+
+
+def test_found_the_gin_files():
+  assert "configs/default.gin" in ALL_GIN
+  assert len([p for p in ALL_GIN if p.startswith("configs/paper/")]) >= 12
+  for kind in BASE:
+    assert any(p.startswith(f"gin/{kind}/") for p in ALL_GIN)
+
+
+@pytest.mark.parametrize("path", ALL_GIN)
+def test_gin_file_parses_and_builds(path):
+  parts = path.split("/")
+  if parts[0] == "gin" and parts[1] in BASE:
+    if path.endswith("train.gin"):
+      files = [BASE["tasks"], path]
+    else:
+      files = [path if k == parts[1] else f for k, f in BASE.items()]
+  else:
+    files = [path]
+  bindings = REQUIRED + ([] if path.startswith("configs/") else ["VOCAB_SIZE = 259"])
+  gin.parse_config_files_and_bindings([os.path.join(ROOT, f) for f in files], bindings)
+  cfg = _build()
+  if isinstance(cfg, experiment.ExperimentConfig) and parts[1] in ("models", "drafts"):
+    spec = cfg.target if parts[1] == "models" else cfg.draft
+    name = os.path.splitext(parts[2])[0]
+    if name.startswith("t5_1_1_"):
+      assert spec.preset == name and spec.checkpoint.startswith("/ckpt/")
+
+
+# The paper's Table 2: (task, draft size, temperature) -> gamma.
+TABLE2 = {("ende", "small", 0): 7, ("ende", "base", 0): 7, ("ende", "large", 0): 7,
+          ("ende", "small", 1): 7, ("ende", "base", 1): 5, ("ende", "large", 1): 3,
+          ("cnndm", "small", 0): 5, ("cnndm", "base", 0): 5, ("cnndm", "large", 0): 3,
+          ("cnndm", "small", 1): 5, ("cnndm", "base", 1): 3, ("cnndm", "large", 1): 3}
+
+
+@pytest.mark.parametrize("row", sorted(TABLE2))
+def test_paper_table2_configs(row):
+  task, size, temp = row
+  gin.parse_config_files_and_bindings(
+      [os.path.join(ROOT, f"configs/paper/{task}_{size}_t{temp}.gin")],
+      ["CHECKPOINT_PATH = 'gs://b/xxl'", "DRAFT_CHECKPOINT_PATH = 'gs://b/draft'"])
+  cfg = _build()
+  assert cfg.task == {"ende": "wmt_t2t_ende_v003", "cnndm": "cnn_dailymail_v002"}[task]
+  assert cfg.gamma == TABLE2[row] and cfg.temperature == float(temp)
+  assert cfg.batch_size == 1 and cfg.run_baseline
+  assert cfg.target.preset == "t5_1_1_xxl" and cfg.target.checkpoint == "gs://b/xxl"
+  assert cfg.draft.preset == f"t5_1_1_{size}" and cfg.draft.checkpoint == "gs://b/draft"
+
+
+def test_checkpoint_macros_are_required():
+  with pytest.raises(ValueError, match="CHECKPOINT_PATH.*REQUIRED"):
+    gin.parse_config_files_and_bindings(
+        [os.path.join(ROOT, "configs/paper/ende_small_t0.gin")], [])
+
+
+def test_default_config_is_tiny_and_offline():
+  cfg = main.parse_config([main.DEFAULT_GIN_FILE], [])
+  assert cfg.task == "toy_reverse" and cfg.target.checkpoint is None
+  assert cfg.target.preset == "t5_1_1_mini" and cfg.draft.preset == "t5_1_1_tiny"

@@ -1,0 +1,237 @@
+"""spec_decode.main end to end on tiny random models: outputs, resume after a kill, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from spec_decode import checkpoints, experiment, main, model_specs, results, theory
+
+ROOT = main.REPO_ROOT
+# Every run here shares these shapes (batch 2, default.gin's lengths), so jit caches are reused.
+SMALL = ["BATCH_SIZE = 2", "ExperimentConfig.step_timing_repeats = 2"]
+
+
+def _rows(out):
+  with open(os.path.join(out, results.PREDICTIONS)) as f:
+    return [json.loads(line) for line in f]
+
+
+def _tokens_by_index(out):
+  return {r["index"]: r["spec_tokens"] for r in _rows(out)}
+
+
+def test_import_main_does_not_import_tensorflow():
+  code = ("import sys, spec_decode.main, spec_decode.experiment, spec_decode.data; "
+          "assert 'tensorflow' not in sys.modules and 'seqio' not in sys.modules")
+  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_rewrite_gin_args():
+  assert main.rewrite_gin_args(["prog", "--gin.GAMMA=3", "--gin.X='a=b'", "--output_dir=o"]) == [
+      "prog", "--gin_bindings=GAMMA = 3", "--gin_bindings=X = 'a=b'", "--output_dir=o"]
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("greedy"))
+  summary = main.run([], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=True)
+  return out, summary
+
+
+def test_end_to_end_outputs(greedy_run):
+  out, summary = greedy_run
+  for name in ("predictions.jsonl", "config.json", "progress.json", "results.json",
+               "table_row.md", "config.gin"):
+    assert os.path.exists(os.path.join(out, name)), name
+  rows = _rows(out)
+  assert sorted(r["index"] for r in rows) == list(range(6))
+  with open(os.path.join(out, "results.json")) as f:
+    stored = json.load(f)
+  assert stored["table_row"] == summary["table_row"] and stored["completed"] == 6
+  gamma = summary["experiment"]["gamma"]
+  assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
+  # Greedy: speculative output equals the autoregressive one, row by row.
+  assert all(r["identical"] and r["ar_tokens"] == r["spec_tokens"] for r in rows)
+  assert summary["identical_fraction"] == 1.0
+  assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
+  assert set(summary["metrics"]["speculative"]) == {"bleu"}
+  for r in rows:
+    assert r["target_calls"] <= r["spec_length"] and r["ar_target_calls"] == r["ar_length"]
+    assert r["decisions"] <= r["draft_tokens"] == gamma * r["target_calls"]
+    assert r["spec_length"] == len(r["spec_tokens"]) <= 32
+    # The replayed per-position counts cover every decision but those of the last step
+    # that fall beyond the output's end (at most gamma - 1).
+    assert r["decisions"] - (gamma - 1) <= sum(r["reached_at"]) <= r["decisions"]
+    assert r["accepted"] - (gamma - 1) <= sum(r["accepted_at"]) <= r["accepted"]
+    assert r["inputs"].startswith("reverse: ")
+  col = lambda k: np.array([r[k] for r in rows], np.float64)
+  np.testing.assert_allclose(summary["alpha_observed"],
+                             col("accepted").sum() / col("decisions").sum())
+  np.testing.assert_allclose(summary["alpha_estimated"],
+                             col("min_pq_sum").sum() / col("decisions").sum())
+  np.testing.assert_allclose(summary["alpha_observed"], summary["alpha_estimated"])  # one-hots
+  np.testing.assert_allclose(summary["tokens_per_target_call"],
+                             col("spec_length").sum() / col("target_calls").sum())
+  batches = {r["batch"]: r for r in rows}
+  assert len(batches) == 3
+  t = summary["timing"]
+  np.testing.assert_allclose(t["autoregressive_seconds"],
+                             sum(b["ar_batch_seconds"] for b in batches.values()))
+  np.testing.assert_allclose(summary["speedup_measured"],
+                             t["autoregressive_seconds"] / t["speculative_seconds"])
+  np.testing.assert_allclose(t["c"], t["draft_step_seconds"] / t["target_step_seconds"])
+  np.testing.assert_allclose(summary["speedup_predicted"],
+                             theory.walltime_improvement(summary["alpha"], gamma, t["c"]))
+  assert set(t["first_call_seconds"]) == set(t["compile_seconds"]) == {"autoregressive",
+                                                                       "speculative"}
+  reached = np.sum([r["reached_at"] for r in rows], axis=0)
+  accepted = np.sum([r["accepted_at"] for r in rows], axis=0)
+  assert summary["per_position_acceptance"] == [a / n if n else None
+                                                for a, n in zip(accepted, reached)]
+  with open(os.path.join(out, "table_row.md")) as f:
+    table = f.read().splitlines()
+  assert table[0] == "| task | draft | temp | gamma | alpha | c | predicted | measured |"
+  assert table[2] == summary["table_row"]
+  assert table[2] == (f"| toy_reverse | tiny (random) | 0 | 4 | {summary['alpha']:.2f} | "
+                      f"{t['c']:.3f} | {summary['speedup_predicted']:.2f} | "
+                      f"{summary['speedup_measured']:.2f} |")
+
+
+def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
+  out, summary = greedy_run
+  before = open(os.path.join(out, "predictions.jsonl")).read()
+  again = main.run([], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=False)
+  assert open(os.path.join(out, "predictions.jsonl")).read() == before
+  assert again["timing"]["first_call_seconds"] == {}  # nothing was decoded
+  for k in ("alpha", "identical_fraction", "metrics", "speedup_measured", "completed"):
+    assert again[k] == summary[k]
+  with pytest.raises(ValueError, match="different experiment.*gamma: 4 -> 3"):
+    main.run([], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
+
+
+def test_resume_after_kill(tmp_path, greedy_run):
+  out = str(tmp_path / "killed")
+  # Slow batches (40 timed runs each) so the kill lands mid-way.
+  cmd = [sys.executable, "-m", "spec_decode.main", f"--output_dir={out}", "--noprogress",
+         "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
+         "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  path = os.path.join(out, results.PREDICTIONS)
+  deadline = time.time() + 400
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.exists(path) and os.path.getsize(path) > 0:
+        break
+      time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.kill()
+    proc.wait()
+  before = _rows(out)
+  assert 2 <= len(before) < 10 and not os.path.exists(os.path.join(out, results.RESULTS))
+  summary = main.run([], SMALL + ["NUM_EXAMPLES = 10"], out, show_progress=False)
+  after = _rows(out)
+  assert sorted(r["index"] for r in after) == list(range(10))  # none lost, none duplicated
+  assert after[:len(before)] == before  # finished rows are kept as they were
+  assert summary["completed"] == 10 and len({r["batch"] for r in after}) == 5
+  # The resumed run decodes exactly what an uninterrupted run does (here: the greedy
+  # run's first 6 examples).
+  reference = _tokens_by_index(greedy_run[0])
+  assert all(_tokens_by_index(out)[i] == reference[i] for i in reference)
+
+
+def test_sampled_resume_is_exact(tmp_path):
+  """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
+  bindings = SMALL + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]
+  full = str(tmp_path / "full")
+  summary = main.run([], bindings, full, show_progress=False)
+  assert summary["per_position_acceptance"] is None  # replayed only under greedy decoding
+  config = main.parse_config([main.DEFAULT_GIN_FILE], bindings)
+  part = str(tmp_path / "part")
+
+  def interrupt(b):
+    if b == 1:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run_experiment(config, output_dir=part, show_progress=False, on_batch=interrupt)
+  assert len(_rows(part)) == 4
+  with open(os.path.join(part, results.PREDICTIONS), "a") as f:
+    f.write('{"index": 4, "spec_tok')  # a write cut short by a kill
+  resumed = experiment.run_experiment(config, output_dir=part, show_progress=False)
+  assert sorted(r["index"] for r in _rows(part)) == list(range(6))
+  assert _tokens_by_index(part) == _tokens_by_index(full)
+  for k in ("alpha_observed", "alpha_estimated", "tokens_per_target_call", "metrics"):
+    assert resumed[k] == summary[k]
+
+
+def test_errors_are_clear(tmp_path):
+  out = str(tmp_path / "err")
+  with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
+    main.run([], SMALL + ["GAMMA = 0"], out, show_progress=False)
+  with pytest.raises(ValueError, match="unknown task 'no_such_task'; known tasks: .*toy_reverse"):
+    main.run([], SMALL + ["MIXTURE_OR_TASK_NAME = 'no_such_task'"], out, show_progress=False)
+  with pytest.raises(FileNotFoundError, match="target checkpoint not found: /nonexistent/ckpt"):
+    main.run([], SMALL + ["target/ModelSpec.checkpoint = '/nonexistent/ckpt'"], out,
+             show_progress=False)
+  with pytest.raises(FileNotFoundError, match="draft checkpoint not found"):
+    main.run([], SMALL + ["draft/ModelSpec.checkpoint = 'missing_draft'"], out,
+             show_progress=False)
+  with pytest.raises(FileNotFoundError, match="gin file not found"):
+    main.run(["configs/nope.gin"], [], out, show_progress=False)
+  assert not os.path.exists(os.path.join(out, "config.json"))  # failed runs leave no state
+
+
+def test_cli_reports_missing_checkpoint(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}",
+       "--gin.target/ModelSpec.checkpoint='/nonexistent/xxl'"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "FileNotFoundError: target checkpoint not found: /nonexistent/xxl" in proc.stderr
+
+
+def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
+  spec = model_specs.ModelSpec(preset="t5_1_1_tiny", seed=3)
+  model, params = model_specs.load(spec, model_specs.LoadContext("target"))
+  path = str(tmp_path / "ckpt")
+  checkpoints.save(path, model.config, params, format="t5x")
+  loaded, lparams = model_specs.load(
+      model_specs.ModelSpec(checkpoint=path, preset="t5_1_1_tiny", dtype="float32"),
+      model_specs.LoadContext("target"))
+  assert loaded.config == model.config
+  jax.tree.map(np.testing.assert_array_equal, lparams, params)
+  with pytest.raises(ValueError, match="does not match the preset"):
+    model_specs.load(model_specs.ModelSpec(checkpoint=path, preset="t5_1_1_mini"),
+                     model_specs.LoadContext("draft"))
+  with pytest.raises(ValueError, match="vocab_size 64, expected 128"):
+    model_specs.load(spec, model_specs.LoadContext("draft", vocab_size=128))
+  ng, ng_params = model_specs.load(
+      model_specs.ModelSpec(kind="ngram", options={"order": 1, "num_examples": 2}),
+      model_specs.LoadContext("draft", vocab_size=64,
+                              target_sequences=lambda split, n: [(5, 6, 1), (5, 1)][:n]))
+  np.testing.assert_allclose(np.exp(ng_params["log_probs"])[[1, 5, 6]], [0.4, 0.4, 0.2],
+                             rtol=1e-6)
+  assert ng.vocab_size == 64 and ng.order == 1
+  with pytest.raises(ValueError, match="unknown model kind 'tree'"):
+    model_specs.load(model_specs.ModelSpec(kind="tree"), model_specs.LoadContext("draft"))
+  with pytest.raises(ValueError, match="unknown T5 preset"):
+    model_specs.ModelSpec(preset="t5_1_1_huge")
+  with pytest.raises(ValueError, match="gamma must be"):
+    experiment.ExperimentConfig(target=spec, draft=spec, task="toy_reverse", gamma=0)
+
+
+def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
+  out = str(tmp_path / "mesh")
+  main.run([], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
+           show_progress=False)
+  reference = _tokens_by_index(greedy_run[0])
+  assert _tokens_by_index(out) == {i: reference[i] for i in range(2)}
