@@ -29,6 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from spec_decode import partitioning
 from spec_decode.decoding.common import check_inputs, row_keys
 from spec_decode.decoding.sampling import Sampling, sample_from
 from spec_decode.decoding.types import DecodeResult, DecodeStats
@@ -64,7 +65,8 @@ class _State:
 
 def speculative(target, target_params, draft, draft_params, encoder_tokens, *, gamma: int,
                 max_decode_len: int, sampling: Sampling = Sampling(), rng=None, row_ids=None,
-                draft_encoder_tokens=None, lenience: float = 1.0) -> DecodeResult:
+                draft_encoder_tokens=None, lenience: float = 1.0, mesh=None, rules=None,
+                draft_rules=None) -> DecodeResult:
   """Decodes with `draft` proposing `gamma` tokens per call of `target`.
 
   Both models implement the `Decoder` protocol and must share the vocabulary.
@@ -76,6 +78,13 @@ def speculative(target, target_params, draft, draft_params, encoder_tokens, *, g
   accepted with probability min(1, p / (l q)) and rejections resample from
   norm(max(0, p - l q)): faster, but the output no longer follows the target's
   distribution. The default 1.0 is exact.
+
+  mesh: run sharded on this `jax.sharding.Mesh` (as in `autoregressive`).
+  The target is laid out by `rules` (default T5X's); the draft by
+  `draft_rules`, default `partitioning.data_parallel_rules(rules)`: its
+  parameters replicated on every device and only its batch sharded (a small
+  draft's weights fit everywhere, and model-parallel collectives would cost
+  more than its matmuls). Pass `draft_rules=rules` to shard it like the target.
   """
   if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
@@ -94,10 +103,26 @@ def speculative(target, target_params, draft, draft_params, encoder_tokens, *, g
   if draft_encoder_tokens.shape[0] != encoder_tokens.shape[0]:
     raise ValueError(f"draft_encoder_tokens batch {draft_encoder_tokens.shape[0]} != "
                      f"encoder_tokens batch {encoder_tokens.shape[0]}")
-  return _speculative(target, draft, target_params, draft_params, encoder_tokens,
-                      draft_encoder_tokens, rng, row_ids, gamma=gamma,
-                      max_decode_len=max_decode_len, sampling=sampling,
-                      lenience=float(lenience))
+  if mesh is None:
+    return _speculative(target, draft, target_params, draft_params, encoder_tokens,
+                        draft_encoder_tokens, rng, row_ids, gamma=gamma,
+                        max_decode_len=max_decode_len, sampling=sampling,
+                        lenience=float(lenience))
+  rules = partitioning.standard_logical_axis_rules() if rules is None else \
+      partitioning.validate_rules(rules)
+  draft_rules = partitioning.data_parallel_rules(rules) if draft_rules is None else \
+      partitioning.validate_rules(draft_rules)
+  batch = partitioning.batch_sharding(mesh, encoder_tokens.shape, rules)
+  in_shardings = (partitioning.param_shardings(target, mesh, rules, params=target_params),
+                  partitioning.param_shardings(draft, mesh, draft_rules, params=draft_params),
+                  batch, batch, partitioning.replicated(mesh), batch)
+  args = partitioning.put((target_params, draft_params, encoder_tokens, draft_encoder_tokens,
+                           rng, row_ids), in_shardings)
+  fn = partitioning.sharded_jit(_speculative_impl, in_shardings, batch, target=target,
+                                draft=draft, gamma=gamma, max_decode_len=max_decode_len,
+                                sampling=sampling, lenience=float(lenience), mesh=mesh,
+                                rules=rules, draft_rules=draft_rules)
+  return fn(*args)
 
 
 def _take(probs_BGV, tokens_BG):
@@ -109,13 +134,28 @@ def _take(probs_BGV, tokens_BG):
 def _speculative(target, draft, target_params, draft_params, encoder_tokens,
                  draft_encoder_tokens, rng, row_ids, *, gamma, max_decode_len, sampling,
                  lenience):
+  return _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens,
+                           rng, row_ids, target=target, draft=draft, gamma=gamma,
+                           max_decode_len=max_decode_len, sampling=sampling, lenience=lenience)
+
+
+def _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng,
+                      row_ids, *, target, draft, gamma, max_decode_len, sampling, lenience,
+                      mesh=None, rules=None, draft_rules=None):
+  """The loop; with a mesh, caches and state get sharding constraints by logical axes."""
   B = encoder_tokens.shape[0]
   L, g = max_decode_len, gamma
   room = L + g + 1  # a frozen row (length L) still writes g + 1 slots per iteration
-  target_cache = target.init_cache(target_params, target.encode(target_params, encoder_tokens),
-                                   room)
-  draft_cache = draft.init_cache(draft_params, draft.encode(draft_params, draft_encoder_tokens),
-                                 room)
+
+  def start(model, params, tokens, model_rules):
+    encoded = model.encode(params, tokens)
+    encoded = partitioning.constrain(encoded, partitioning.encoder_output_axes(encoded), mesh,
+                                     model_rules)
+    return partitioning.constrain_cache(model.init_cache(params, encoded, room), model, mesh,
+                                        model_rules)
+
+  target_cache = start(target, target_params, encoder_tokens, rules)
+  draft_cache = start(draft, draft_params, draft_encoder_tokens, draft_rules)
 
   def draft_phase(s: _State, keys_BG):
     """Proposes x [B, g] with their adjusted draft distributions q [B, g, V]."""
@@ -142,6 +182,7 @@ def _speculative(target, draft, target_params, draft_params, encoder_tokens,
       x = jax.vmap(sample_from)(key_B, q)
       return (cache, x), (x, q)
 
+    cache = partitioning.constrain_cache(cache, draft, mesh, draft_rules)
     (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), jnp.swapaxes(keys_BG[:, 1:], 0, 1))
     x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
     q = jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
@@ -157,6 +198,8 @@ def _speculative(target, draft, target_params, draft_params, encoder_tokens,
     x, q, draft_cache = draft_phase(s, draft_keys)
     target_in = jnp.concatenate([s.token_at(m)[:, None], x], axis=1)  # [B, g + 1]
     logits, target_cache = target.decode(target_params, s.target_cache, target_in)
+    target_cache = partitioning.constrain_cache(target_cache, target, mesh, rules)
+    draft_cache = partitioning.constrain_cache(draft_cache, draft, mesh, draft_rules)
     p = sampling.probs(logits)  # [B, g + 1, V]
 
     # Rejection sampling: accept x_i while u_i * l * q_i(x_i) < p_i(x_i).
@@ -202,6 +245,8 @@ def _speculative(target, draft, target_params, draft_params, encoder_tokens,
   init = _State(it=jnp.int32(0), out=jnp.zeros((B, room), jnp.int32),
                 length=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
                 target_cache=target_cache, draft_cache=draft_cache, stats=DecodeStats.zeros(B))
+  init = init.replace(**partitioning.constrain_batch(
+      dict(out=init.out, length=init.length, done=init.done, stats=init.stats), mesh, rules))
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, init)
   tokens = jnp.where(jnp.arange(L)[None, :] < s.length[:, None], s.out[:, :L], 0)
   return DecodeResult(tokens=tokens, lengths=s.length, stats=s.stats)

@@ -229,7 +229,9 @@ def _check_tokens(tokens, name: str, vocab_size: int):
   """Validates a [B, T] integer token array at the Python API boundary.
 
   Ranks and dtypes are checked always; the id range only when the values are
-  concrete (not under jit tracing), where it costs one host transfer.
+  concrete (not under jit tracing), where it costs one host transfer, and
+  fully addressable (a multi-host global array, of which a process holds only
+  its own rows, is not checked).
   """
   if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
     tokens = np.asarray(tokens)
@@ -239,7 +241,7 @@ def _check_tokens(tokens, name: str, vocab_size: int):
     raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
   if tokens.shape[1] < 1 or tokens.shape[0] < 1:
     raise ValueError(f"{name} must be non-empty, got shape {tokens.shape}")
-  if not isinstance(tokens, jax.core.Tracer):
+  if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
     arr = np.asarray(tokens)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
