@@ -184,16 +184,6 @@ def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
   return fns
 
 
-def _greedy_matches(draft, draft_params, encoder_tokens, tokens) -> np.ndarray:
-  """[B, L] bool: the draft's argmax after each output prefix equals the output token."""
-  L = tokens.shape[1]
-  decoder_in = jnp.concatenate([jnp.full((tokens.shape[0], 1), BOS_ID, jnp.int32),
-                                jnp.asarray(tokens[:, :-1], jnp.int32)], axis=1)
-  cache = draft.init_cache(draft_params, draft.encode(draft_params, encoder_tokens), L)
-  logits, _ = draft.decode(draft_params, cache, decoder_in)
-  return np.asarray(jnp.argmax(logits, axis=-1) == jnp.asarray(tokens))
-
-
 def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, Any],
                 seconds: Mapping[str, float], batch_key: str) -> list[dict]:
   cfg = s.config
@@ -202,9 +192,7 @@ def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, 
   tokens, lengths = np.asarray(spec.tokens), np.asarray(spec.lengths)
   st = {k: np.asarray(getattr(spec.stats, k)) for k in
         ("target_calls", "draft_tokens", "accepted", "decisions", "min_pq_sum")}
-  matches = None
-  if cfg.sampling.greedy:
-    matches = _greedy_matches(s.draft, s.draft_params, outputs["encoder_tokens"], tokens)
+  per_position = {k: np.asarray(getattr(spec.stats, k)) for k in ("accepted_at", "decided_at")}
   rows = []
   for r, ex in enumerate(batch):
     spec_tokens = data.output_tokens(tokens[r], lengths[r])
@@ -212,11 +200,8 @@ def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, 
            "spec_output": data.detokenize(s.vocabulary, spec_tokens), "spec_tokens": spec_tokens,
            "spec_length": int(lengths[r]), "batch": batch_key, "batch_rows": len(batch),
            "spec_batch_seconds": seconds["speculative"],
-           **{k: (float(v[r]) if k == "min_pq_sum" else int(v[r])) for k, v in st.items()}}
-    if matches is not None:
-      accepted_at, reached_at = metrics.replay_greedy_blocks(matches[r, :lengths[r]],
-                                                             gamma=cfg.gamma)
-      row["accepted_at"], row["reached_at"] = accepted_at.tolist(), reached_at.tolist()
+           **{k: (float(v[r]) if k == "min_pq_sum" else int(v[r])) for k, v in st.items()},
+           **{k: v[r].tolist() for k, v in per_position.items()}}
     if ar is not None:
       ar_tokens = data.output_tokens(np.asarray(ar.tokens)[r], np.asarray(ar.lengths)[r])
       row.update(ar_output=data.detokenize(s.vocabulary, ar_tokens), ar_tokens=ar_tokens,

@@ -17,7 +17,7 @@ Output directory (--output_dir; default /tmp/spec_decode/<last gin file's name>)
                      spec_output, identical (token-level), their tokens and
                      lengths, the per-row counters (target_calls, draft_tokens,
                      accepted, decisions, min_pq_sum, ar_target_calls,
-                     accepted_at/reached_at per draft position when greedy)
+                     accepted_at/decided_at per draft position)
                      and its batch's timings (batch, ar/spec_batch_seconds);
                      appended after every batch
   config.json        the experiment's settings (a rerun must match them)

@@ -98,36 +98,12 @@ def acceptance(*, accepted, decisions, min_pq_sum, target_calls, lengths) -> dic
   }
 
 
-def replay_greedy_blocks(match: Sequence[bool], *, gamma: int) -> tuple[np.ndarray, np.ndarray]:
-  """Per-position accept / reach counts of greedy speculative decoding, replayed.
-
-  Under argmax both models are deterministic, the output y is the target's
-  greedy output, and the draft token proposed for y_t after the prefix
-  y_<t is accepted iff `match[t]` (the draft's argmax after y_<t equals y_t).
-  Steps start at t = 0 and advance by n + 1 (n accepted, then the target's
-  token). Returns (accepted [gamma], reached [gamma]): how often draft position
-  i (1-based i = index + 1) was accepted, and decided. Decisions about tokens
-  past the end of y are unknown from y and are left out.
-  """
-  if not isinstance(gamma, int) or gamma < 1:
-    raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
-  match = [bool(m) for m in match]
-  accepted, reached = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64)
-  t = 0
-  while t < len(match):
-    n = 0
-    while n < gamma and t + n < len(match) and match[t + n]:
-      n += 1
-    accepted[:n] += 1
-    reached[:n] += 1
-    if n < gamma and t + n < len(match):
-      reached[n] += 1  # the first rejection
-    t += n + 1
-  return accepted, reached
-
-
 def per_position_acceptance(accepted: Sequence[int], reached: Sequence[int]) -> list:
-  """Acceptance rate at each draft position (None where never reached)."""
+  """Acceptance rate at each draft position (None where never decided).
+
+  accepted, reached: per-position totals, e.g. DecodeStats.accepted_at and
+  decided_at summed over rows.
+  """
   accepted, reached = np.asarray(accepted, np.float64), np.asarray(reached, np.float64)
   if accepted.shape != reached.shape or (accepted > reached).any():
     raise ValueError("accepted and reached must have one shape, with accepted <= reached")

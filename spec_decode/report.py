@@ -68,11 +68,8 @@ def summarize(cfg: "ExperimentConfig", *, metric_fns: Sequence[Callable],
                            lengths=col("spec_length"))
   out.update(acc)
   out["alpha"] = acc["alpha_estimated"]
-  if all("accepted_at" in r for r in done):
-    out["per_position_acceptance"] = metrics.per_position_acceptance(
-        np.sum(col("accepted_at"), axis=0), np.sum(col("reached_at"), axis=0))
-  else:
-    out["per_position_acceptance"] = None  # measured only under greedy decoding (replay)
+  out["per_position_acceptance"] = metrics.per_position_acceptance(
+      np.sum(col("accepted_at"), axis=0), np.sum(col("decided_at"), axis=0))
   batches = {r["batch"]: r for r in done}
   spec_s = float(sum(r["spec_batch_seconds"] for r in batches.values()))
   t = dict(step_times, speculative_seconds=spec_s,

@@ -81,24 +81,6 @@ def test_identical_fraction():
     metrics.identical_fraction([[1]], [])
 
 
-def test_replay_greedy_blocks_hand_traces():
-  # gamma 3. Steps: t=0: match,match,reject -> n=2 (positions 1,2 accepted, 3 rejected), t=3;
-  # t=3: reject -> n=0, t=4; t=4: match x3 -> n=3 (all accepted), t=8; t=8: match then the
-  # output ends, so only position 1 is known.
-  match = [1, 1, 0, 0, 1, 1, 1, 0, 1]
-  accepted, reached = metrics.replay_greedy_blocks(match, gamma=3)
-  np.testing.assert_array_equal(accepted, [3, 2, 1])
-  np.testing.assert_array_equal(reached, [4, 2, 2])
-  # A step starting right after the end decides nothing; empty input gives zeros.
-  np.testing.assert_array_equal(metrics.replay_greedy_blocks([], gamma=2)[1], [0, 0])
-  # All rejected: one decision per step, one token per step.
-  accepted, reached = metrics.replay_greedy_blocks([0] * 5, gamma=4)
-  np.testing.assert_array_equal(accepted, [0, 0, 0, 0])
-  np.testing.assert_array_equal(reached, [5, 0, 0, 0])
-  with pytest.raises(ValueError, match="gamma"):
-    metrics.replay_greedy_blocks(match, gamma=0)
-
-
 def test_per_position_acceptance():
   assert metrics.per_position_acceptance([3, 2, 0], [4, 4, 0]) == [0.75, 0.5, None]
   with pytest.raises(ValueError):

@@ -28,6 +28,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_decode import partitioning
 from spec_decode.decoding.common import check_inputs, row_keys
@@ -86,8 +87,9 @@ def speculative(target, target_params, draft, draft_params, encoder_tokens, *, g
   draft's weights fit everywhere, and model-parallel collectives would cost
   more than its matmuls). Pass `draft_rules=rules` to shard it like the target.
   """
-  if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+  if not isinstance(gamma, (int, np.integer)) or isinstance(gamma, bool) or gamma < 1:
     raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+  gamma = int(gamma)
   if target.vocab_size != draft.vocab_size:
     raise ValueError(f"target and draft vocabularies differ: target vocab_size "
                      f"{target.vocab_size}, draft vocab_size {draft.vocab_size}")
@@ -231,20 +233,24 @@ def _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder
     done = s.done | (active & ((first_eos < count) | (new_length >= L)))
 
     decided = jnp.minimum(n + 1, g)
+    decided_at = (j[:, :g] < decided[:, None]) & active[:, None]  # [B, g]
+    accepted_at = (j[:, :g] < n[:, None]) & active[:, None]
     beta = jnp.sum(jnp.minimum(p[:, :g] / lenience, q), axis=-1)  # [B, g]
-    beta_sum = jnp.sum(jnp.where(j[:, :g] < decided[:, None], beta, 0.0), axis=1)
     a = active.astype(jnp.int32)
     st = s.stats
     stats = DecodeStats(target_calls=st.target_calls + a, draft_tokens=st.draft_tokens + g * a,
                         accepted=st.accepted + n * a, decisions=st.decisions + decided * a,
-                        min_pq_sum=st.min_pq_sum + jnp.where(active, beta_sum, 0.0))
+                        min_pq_sum=st.min_pq_sum + jnp.sum(jnp.where(decided_at, beta, 0.0), 1),
+                        accepted_at=st.accepted_at + accepted_at.astype(jnp.int32),
+                        decided_at=st.decided_at + decided_at.astype(jnp.int32))
     return _State(it=s.it + 1, out=out, length=new_length, done=done,
                   target_cache=target_cache.rewind(new_length), draft_cache=draft_cache,
                   stats=stats)
 
   init = _State(it=jnp.int32(0), out=jnp.zeros((B, room), jnp.int32),
                 length=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
-                target_cache=target_cache, draft_cache=draft_cache, stats=DecodeStats.zeros(B))
+                target_cache=target_cache, draft_cache=draft_cache,
+                stats=DecodeStats.zeros(B, gamma=g))
   init = init.replace(**partitioning.constrain_batch(
       dict(out=init.out, length=init.length, done=init.done, stats=init.stats), mesh, rules))
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, init)
