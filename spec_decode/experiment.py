@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import data, decoding, metrics, model_specs, report, results, timing
+from spec_decode import (data, decoding, distributed, metrics, model_specs, report, results,
+                         timing)
 from spec_decode.model_specs import LoadContext, ModelSpec
 from spec_decode.models.t5 import BOS_ID
 
@@ -45,7 +46,10 @@ class ExperimentConfig:
   the same for both decoders (temperature 0 = greedy). seed: the PRNG key.
   run_baseline: also decode autoregressively (needed for the speedup).
   timing_repeats: timed runs per batch (median). step_timing_repeats: runs of
-  each single-step measurement for c. mesh: e.g. 'data=1,model=4' to shard
+  each single-step measurement for c. logical_axis_rules: (logical, mesh axis)
+  pairs placed before T5X's standard rules (so they override them), and
+  parameter_partitioning_dims (1 or 2, as T5X): the target's layout on the mesh
+  (the draft is replicated, its batch sharded). mesh: e.g. 'data=1,model=4' to shard
   over the local devices. vocabulary: SentencePiece model for T5's tasks
   instead of gs://t5-data's; tfds_data_dir: where TFDS data is prepared.
   """
@@ -68,6 +72,8 @@ class ExperimentConfig:
   timing_repeats: int = 1
   step_timing_repeats: int = 10
   mesh: str | None = None
+  logical_axis_rules: Sequence[tuple[str, Any]] = ()
+  parameter_partitioning_dims: int = 1
   vocabulary: str | None = None
   tfds_data_dir: str | None = None
 
@@ -109,7 +115,16 @@ class ExperimentConfig:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["target"], d["draft"] = self.target.to_json(), self.draft.to_json()
     d["feature_lengths"] = dict(self.feature_lengths)
+    d["logical_axis_rules"] = [list(r) for r in self.logical_axis_rules]
     return d
+
+  @property
+  def rules(self):
+    """The target's logical axis rules (T5X's standard ones, overridden as configured)."""
+    from spec_decode import partitioning
+    return partitioning.standard_logical_axis_rules(
+        parameter_partitioning_dims=self.parameter_partitioning_dims,
+        additional_rules=tuple(tuple(r) for r in self.logical_axis_rules))
 
 
 def _is_int(x) -> bool:
@@ -133,6 +148,11 @@ class _Setup:
     return self.task.output_features["targets"].vocabulary
 
 
+def _is_writer() -> bool:
+  """Only process 0 writes files (all processes decode)."""
+  return jax.process_index() == 0
+
+
 def setup(config: ExperimentConfig) -> _Setup:
   """Resolves the task, examples, mesh and models (local checkpoint paths checked first)."""
   for role in ("target", "draft"):
@@ -147,6 +167,9 @@ def setup(config: ExperimentConfig) -> _Setup:
   if config.mesh:
     from spec_decode import partitioning
     mesh = partitioning.make_mesh(config.mesh)
+  elif jax.process_count() > 1:
+    raise ValueError(f"a run over {jax.process_count()} processes needs a mesh over their "
+                     "devices: set ExperimentConfig.mesh, e.g. 'data=-1,model=1'")
   target, tparams = model_specs.load(config.target, LoadContext("target", mesh=mesh))
   vocab_size = task.output_features["targets"].vocabulary.vocab_size
   if vocab_size > target.vocab_size:
@@ -162,10 +185,10 @@ def setup(config: ExperimentConfig) -> _Setup:
       "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
   if mesh is not None:  # the decoders' layouts: target by T5X's rules, draft replicated
     from spec_decode import partitioning
-    tparams = partitioning.put(tparams, partitioning.param_shardings(target, mesh,
-                                                                     params=tparams))
+    tparams = partitioning.put(tparams, partitioning.param_shardings(
+        target, mesh, config.rules, params=tparams))
     dparams = partitioning.put(dparams, partitioning.param_shardings(
-        draft, mesh, partitioning.data_parallel_rules(), params=dparams))
+        draft, mesh, partitioning.data_parallel_rules(config.rules), params=dparams))
   return _Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh)
 
 
@@ -174,7 +197,7 @@ def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
   common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
                 rng=jax.random.PRNGKey(cfg.seed))
   if s.mesh is not None:
-    common["mesh"] = s.mesh
+    common.update(mesh=s.mesh, rules=cfg.rules)
   fns = {"speculative": lambda enc, ids: decoding.speculative(
       s.target, s.target_params, s.draft, s.draft_params, enc, gamma=cfg.gamma,
       lenience=cfg.lenience, row_ids=ids, **common)}
@@ -227,9 +250,14 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
   batches = [todo[i:i + B] for i in range(0, len(todo), B)]
 
   def inputs(batch):
-    enc = jnp.asarray(data.encoder_batch(batch, batch_size=B, input_length=S))
+    enc = data.encoder_batch(batch, batch_size=B, input_length=S)
     ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
-    return enc, jnp.asarray(ids)
+    if s.mesh is None:
+      return jnp.asarray(enc), jnp.asarray(ids)
+    # Each process feeds only the rows its devices hold (all of them on one host).
+    rows = distributed.process_rows(s.mesh, B)
+    return (distributed.global_batch(enc[rows], s.mesh, B),
+            distributed.global_batch(ids[rows], s.mesh, B))
 
   first_call = {name: timing.timed(lambda f=f: f(*inputs(batches[0]))).median
                 for name, f in fns.items()}
@@ -250,7 +278,9 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
         outputs[name], seconds[name] = t.result, t.median
       if b == 0:
         compile_s = {name: max(first_call[name] - seconds[name], 0.0) for name in fns}
-      results.append_rows(path, _batch_rows(s, batch, outputs, seconds, f"{run_id}:{b}"))
+      outputs = distributed.gather(outputs)  # every process joins; process 0 writes
+      if _is_writer():
+        results.append_rows(path, _batch_rows(s, batch, outputs, seconds, f"{run_id}:{b}"))
       if bar is not None:
         bar.update(len(batch))
       if on_batch is not None:
@@ -290,20 +320,27 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
     raise ValueError(f"config must be an ExperimentConfig, got {type(config).__name__}")
   start = time.perf_counter()
   s = setup(config)  # before anything is written: a config that fails leaves no trace
-  results.check_config(output_dir, config.to_json(),
-                       may_differ=("num_examples", "timing_repeats", "step_timing_repeats"))
   path = f"{output_dir}/{results.PREDICTIONS}"
-  rows = results.read_rows(path)
-  todo = [ex for ex in s.examples if ex.index not in rows]
+  if _is_writer():
+    results.check_config(output_dir, config.to_json(),
+                         may_differ=("num_examples", "timing_repeats", "step_timing_repeats"))
+  rows = results.read_rows(path) if _is_writer() else {}
+  done = np.array([ex.index in rows for ex in s.examples], bool)
+  if jax.process_count() > 1:  # process 0's view of the output directory decides
+    from jax.experimental import multihost_utils
+    done = np.asarray(multihost_utils.broadcast_one_to_all(done))
+  todo = [ex for ex, d in zip(s.examples, done) if not d]
   compile_times = {}  # this run's; empty when nothing was left to decode
   if todo:
     compile_times = _decode_remaining(s, todo, output_dir, show_progress=show_progress,
                                       on_batch=on_batch)
-    rows = results.read_rows(path)
+  step_times = measure_step_times(s, repeats=config.step_timing_repeats)
+  if not _is_writer():
+    return {}
+  rows = results.read_rows(path)
   results.write_json(f"{output_dir}/{results.PROGRESS}",
                      {"completed": sum(ex.index in rows for ex in s.examples),
                       "total": len(s.examples)})
-  step_times = measure_step_times(s, repeats=config.step_timing_repeats)
   summary = report.summarize(config, metric_fns=s.task.metric_fns, examples=s.examples,
                              rows=rows, step_times=step_times, compile_times=compile_times)
   summary["timing"]["run_seconds"] = time.perf_counter() - start

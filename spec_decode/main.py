@@ -39,6 +39,10 @@ from typing import Sequence
 
 from absl import app, flags, logging
 
+import jax
+
+from spec_decode import distributed
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_GIN_FILE = "configs/default.gin"
 
@@ -47,6 +51,7 @@ flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'ExperimentCon
                           "--gin.NAME=VALUE is rewritten to one of these")
 flags.DEFINE_string("output_dir", None, "directory for predictions and results")
 flags.DEFINE_bool("progress", True, "show a progress bar")
+distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
 FLAGS = flags.FLAGS
 
 _registered = False
@@ -119,16 +124,19 @@ def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str |
   logging.info("experiment %s -> %s", config, output_dir)
   summary = experiment.run_experiment(config, output_dir=output_dir,
                                       show_progress=show_progress)
-  results.write_text(os.path.join(output_dir, "config.gin"), gin.operative_config_str())
+  if summary:  # process 0 writes
+    results.write_text(os.path.join(output_dir, "config.gin"), gin.operative_config_str())
   return summary
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  distributed.initialize_from_flags()  # no-op for one process
   summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
-                show_progress=FLAGS.progress)
-  print(summary["table_row"])
+                show_progress=FLAGS.progress and jax.process_index() == 0)
+  if summary:  # process 0
+    print(summary["table_row"])
 
 
 def _parse_flags(argv: Sequence[str]):

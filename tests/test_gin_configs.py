@@ -101,7 +101,7 @@ def test_checkpoint_macros_are_required():
         [os.path.join(ROOT, "configs/paper/ende_small_t0.gin")], [])
 
 
-def test_default_config_is_tiny_and_offline():
-  cfg = main.parse_config([main.DEFAULT_GIN_FILE], [])
+def test_toy_config_is_tiny_and_offline():
+  cfg = main.parse_config(["configs/toy_random.gin"], [])
   assert cfg.task == "toy_reverse" and cfg.target.checkpoint is None
   assert cfg.target.preset == "t5_1_1_mini" and cfg.draft.preset == "t5_1_1_tiny"

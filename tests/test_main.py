@@ -16,6 +16,7 @@ from spec_decode import checkpoints, experiment, main, model_specs, results, the
 ROOT = main.REPO_ROOT
 # Every run here shares these shapes (batch 2, default.gin's lengths), so jit caches are reused.
 SMALL = ["BATCH_SIZE = 2", "ExperimentConfig.step_timing_repeats = 2"]
+TOY = "configs/toy_random.gin"  # tiny random models on the offline toy_reverse task
 
 
 def _rows(out):
@@ -41,7 +42,7 @@ def test_rewrite_gin_args():
 @pytest.fixture(scope="module")
 def greedy_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("greedy"))
-  summary = main.run([], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=True)
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=True)
   return out, summary
 
 
@@ -107,19 +108,20 @@ def test_end_to_end_outputs(greedy_run):
 def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
   out, summary = greedy_run
   before = open(os.path.join(out, "predictions.jsonl")).read()
-  again = main.run([], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=False)
+  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=False)
   assert open(os.path.join(out, "predictions.jsonl")).read() == before
   assert again["timing"]["first_call_seconds"] == {}  # nothing was decoded
   for k in ("alpha", "identical_fraction", "metrics", "speedup_measured", "completed"):
     assert again[k] == summary[k]
   with pytest.raises(ValueError, match="different experiment.*gamma: 4 -> 3"):
-    main.run([], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
+    main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 
 
 def test_resume_after_kill(tmp_path, greedy_run):
   out = str(tmp_path / "killed")
   # Slow batches (40 timed runs each) so the kill lands mid-way.
   cmd = [sys.executable, "-m", "spec_decode.main", f"--output_dir={out}", "--noprogress",
+         f"--gin_file={TOY}",
          "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
          "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -137,7 +139,7 @@ def test_resume_after_kill(tmp_path, greedy_run):
     proc.wait()
   before = _rows(out)
   assert 2 <= len(before) < 10 and not os.path.exists(os.path.join(out, results.RESULTS))
-  summary = main.run([], SMALL + ["NUM_EXAMPLES = 10"], out, show_progress=False)
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 10"], out, show_progress=False)
   after = _rows(out)
   assert sorted(r["index"] for r in after) == list(range(10))  # none lost, none duplicated
   assert after[:len(before)] == before  # finished rows are kept as they were
@@ -152,9 +154,9 @@ def test_sampled_resume_is_exact(tmp_path):
   """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
   bindings = SMALL + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]
   full = str(tmp_path / "full")
-  summary = main.run([], bindings, full, show_progress=False)
+  summary = main.run([TOY], bindings, full, show_progress=False)
   assert len(summary["per_position_acceptance"]) == summary["experiment"]["gamma"]
-  config = main.parse_config([main.DEFAULT_GIN_FILE], bindings)
+  config = main.parse_config([TOY], bindings)
   part = str(tmp_path / "part")
 
   def interrupt(b):
@@ -176,14 +178,14 @@ def test_sampled_resume_is_exact(tmp_path):
 def test_errors_are_clear(tmp_path):
   out = str(tmp_path / "err")
   with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
-    main.run([], SMALL + ["GAMMA = 0"], out, show_progress=False)
+    main.run([TOY], SMALL + ["GAMMA = 0"], out, show_progress=False)
   with pytest.raises(ValueError, match="unknown task 'no_such_task'; known tasks: .*toy_reverse"):
-    main.run([], SMALL + ["MIXTURE_OR_TASK_NAME = 'no_such_task'"], out, show_progress=False)
+    main.run([TOY], SMALL + ["MIXTURE_OR_TASK_NAME = 'no_such_task'"], out, show_progress=False)
   with pytest.raises(FileNotFoundError, match="target checkpoint not found: /nonexistent/ckpt"):
-    main.run([], SMALL + ["target/ModelSpec.checkpoint = '/nonexistent/ckpt'"], out,
+    main.run([TOY], SMALL + ["target/ModelSpec.checkpoint = '/nonexistent/ckpt'"], out,
              show_progress=False)
   with pytest.raises(FileNotFoundError, match="draft checkpoint not found"):
-    main.run([], SMALL + ["draft/ModelSpec.checkpoint = 'missing_draft'"], out,
+    main.run([TOY], SMALL + ["draft/ModelSpec.checkpoint = 'missing_draft'"], out,
              show_progress=False)
   with pytest.raises(FileNotFoundError, match="gin file not found"):
     main.run(["configs/nope.gin"], [], out, show_progress=False)
@@ -192,7 +194,7 @@ def test_errors_are_clear(tmp_path):
 
 def test_cli_reports_missing_checkpoint(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}",
+      [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}", f"--gin_file={TOY}",
        "--gin.target/ModelSpec.checkpoint='/nonexistent/xxl'"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
@@ -231,7 +233,48 @@ def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
 
 def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
   out = str(tmp_path / "mesh")
-  main.run([], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
+  main.run([TOY], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
            show_progress=False)
   reference = _tokens_by_index(greedy_run[0])
   assert _tokens_by_index(out) == {i: reference[i] for i in range(2)}
+
+
+def test_two_processes_write_what_one_process_writes(tmp_path):
+  """main over 2 local processes (gloo on 127.0.0.1, 2 CPU devices each, data=2,model=2 mesh):
+  each feeds its half of every batch, process 0 gathers and writes, and the predictions
+  equal a one-process run's."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=4", "--gin.BATCH_SIZE=2",
+           "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.TEMPERATURE=1.0",
+           "--gin.ExperimentConfig.mesh='data=2,model=2'"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "spec_decode.main", f"--output_dir={multi}", *flags,
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  env1 = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  procs.append(subprocess.Popen(
+      [sys.executable, "-m", "spec_decode.main", f"--output_dir={single}", *flags],
+      cwd=ROOT, env=env1, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=400)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  got, want = _rows(multi), _rows(single)
+  assert [r["index"] for r in got] == [r["index"] for r in want] == [0, 1, 2, 3]
+  for g, w in zip(got, want):
+    for k in ("spec_tokens", "ar_tokens", "accepted", "decisions", "target_calls"):
+      assert g[k] == w[k], k
+  assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
