@@ -1,0 +1,154 @@
+"""The trainer: losses, deterministic batches, loss decrease, exact resume, distillation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_decode import checkpoints, losses, train, train_data
+from spec_decode.models import t5
+
+V = 64
+
+
+def _copy_split(n: int, seed: int) -> train_data.TokenizedSplit:
+  """A toy task: the target is the input reversed (ids 3..V-1), both ending with EOS."""
+  rng = np.random.default_rng(seed)
+  ins, outs = [], []
+  for _ in range(n):
+    x = tuple(int(t) for t in rng.integers(3, V, rng.integers(2, 7)))
+    ins.append(x + (1,))
+    outs.append(tuple(reversed(x)) + (1,))
+  return train_data.TokenizedSplit(tuple(ins), tuple(outs))
+
+
+def _cfg(**kw):
+  base = dict(model={"preset": "t5_1_1_tiny"}, batch_size=16, num_steps=40, log_every=10,
+              eval_every=1000, eval_examples=64, input_length=8, target_length=8,
+              learning_rate=3e-3, warmup_steps=5, save_every=1000)
+  return train.TrainConfig(**{**base, **kw})
+
+
+def test_cross_entropy_and_z_loss_match_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
+  targets = rng.integers(0, 5, (2, 3))
+  w = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+  loss, z, correct, total = losses.cross_entropy(logits, targets, w, z_loss=1e-4)
+  lse = np.log(np.exp(logits).sum(-1))
+  nll = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(loss, ((nll + 1e-4 * lse ** 2) * w).sum(), rtol=1e-5)
+  np.testing.assert_allclose(z, (1e-4 * lse ** 2 * w).sum(), rtol=1e-5)
+  np.testing.assert_allclose(correct, ((logits.argmax(-1) == targets) * w).sum())
+  assert float(total) == 3.0
+
+
+def test_divergences_match_numpy():
+  rng = np.random.default_rng(1)
+  a, b = rng.normal(size=(2, 1, 2, 6)).astype(np.float32)
+  w = np.ones((1, 2), np.float32)
+  p = np.exp(a) / np.exp(a).sum(-1, keepdims=True)
+  q = np.exp(b) / np.exp(b).sum(-1, keepdims=True)
+  fkl, agree, _ = losses.divergence(a, b, w, kind="fkl")
+  np.testing.assert_allclose(fkl, (p * np.log(p / q)).sum(), rtol=1e-5)
+  rkl, _, _ = losses.divergence(a, b, w, kind="rkl")
+  np.testing.assert_allclose(rkl, (q * np.log(q / p)).sum(), rtol=1e-5)
+  tvd, _, _ = losses.divergence(a, b, w, kind="tvd")
+  np.testing.assert_allclose(tvd, 0.5 * np.abs(p - q).sum(), rtol=1e-5)
+  np.testing.assert_allclose(agree, (a.argmax(-1) == b.argmax(-1)).sum())
+  same, _, _ = losses.divergence(a, a, w, kind="fkl")
+  np.testing.assert_allclose(same, 0.0, atol=1e-5)
+  greedy, _, _ = losses.divergence(a, b, w, kind="fkl", temperature=0.0)
+  logq = np.log(q)
+  np.testing.assert_allclose(greedy, -np.take_along_axis(logq, a.argmax(-1)[..., None], -1).sum(),
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="unknown divergence"):
+    losses.divergence(a, b, w, kind="js")
+
+
+def test_batches_are_a_function_of_the_step():
+  split = _copy_split(50, 0)
+  seen = np.concatenate([train_data.batch_indices(50, s, 10, seed=3) for s in range(5)])
+  assert sorted(seen) == list(range(50))  # one epoch = one permutation
+  b1 = train_data.batch_at(split, 7, batch_size=10, seed=3, input_length=8, target_length=8)
+  b2 = train_data.batch_at(split, 7, batch_size=10, seed=3, input_length=8, target_length=8)
+  for k in b1:
+    np.testing.assert_array_equal(b1[k], b2[k])
+  np.testing.assert_array_equal(b1["decoder_inputs"][:, 1:], b1["decoder_targets"][:, :-1])
+  np.testing.assert_array_equal(b1["decoder_inputs"][:, 0], 0)
+  np.testing.assert_array_equal(b1["weights"], b1["decoder_targets"] > 0)
+
+
+def test_loss_decreases_on_a_tiny_run():
+  split, val = _copy_split(400, 0), _copy_split(64, 1)
+  for opt in ("adamw", "adafactor"):
+    r = train.train(_cfg(optimizer=opt, log_every=1), train_split=split, eval_split=val,
+                    report=lambda s: None)
+    first = r.history[0]  # metrics of step 1 are computed with the initial parameters
+    assert r.eval["token_loss"] < first["token_loss"] - 0.5, (opt, first, r.eval)
+    assert np.mean([h["loss"] for h in r.history[-5:]]) < first["loss"] - 0.5
+
+
+def test_resume_gives_the_same_next_step(tmp_path):
+  split, val = _copy_split(100, 0), _copy_split(16, 1)
+  kw = dict(train_split=split, eval_split=val, report=lambda s: None)
+  straight = train.train(_cfg(num_steps=4), **kw)
+  workdir = str(tmp_path / "run")
+  first = train.train(_cfg(num_steps=2, workdir=workdir, save_every=2), **kw)
+  msgs = []
+  resumed = train.train(_cfg(num_steps=4, workdir=workdir, save_every=2), train_split=split,
+                        eval_split=val, report=msgs.append)
+  assert any("resumed from step 2" in m for m in msgs)
+  assert [h["step"] for h in first.history] == [2]
+  for a, b in zip(jax.tree_util.tree_leaves(straight.params),
+                  jax.tree_util.tree_leaves(resumed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_distillation_moves_the_draft_toward_the_teacher(tmp_path):
+  teacher_cfg = t5.T5Config.preset("t5_1_1_tiny")
+  teacher_params = t5.T5(teacher_cfg).init(jax.random.PRNGKey(42))
+  path = str(tmp_path / "teacher")
+  checkpoints.save(path, teacher_cfg, teacher_params, format="orbax")
+  split, val = _copy_split(200, 0), _copy_split(32, 1)
+  draft = {"preset": "t5_1_1_tiny", "num_encoder_layers": 1, "num_decoder_layers": 1}
+  kw = dict(model=draft, mode="distill", teacher_checkpoint=path, prefixes="target",
+            teacher_examples=200, divergence="fkl")
+  r = train.train(_cfg(num_steps=40, log_every=1, **kw), train_split=split, eval_split=val,
+                  report=lambda s: None)
+  first, last = r.history[0], r.history[-5:]
+  assert np.mean([h["divergence"] for h in last]) < 0.8 * first["divergence"], (first, r.eval)
+  assert np.mean([h["teacher_agreement"] for h in last]) > first["teacher_agreement"]
+  assert r.eval["teacher_agreement"] > first["teacher_agreement"]
+  with pytest.raises(ValueError, match="teacher_checkpoint"):
+    train.TrainConfig(mode="distill")
+
+
+def test_demo_training_configs_parse_and_scale_like_the_paper():
+  import glob
+  import os
+
+  import gin
+
+  from spec_decode import main
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sizes = {}
+  for path in sorted(glob.glob(os.path.join(root, "configs", "demo", "*.gin"))):
+    name = os.path.basename(path)[:-4]
+    if name in ("common", "ende_experiment"):
+      continue
+    gin.clear_config()
+    main.register_gin()
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+      gin.parse_config_file(path)
+      cfg = gin.get_configurable("TrainConfig")()
+    finally:
+      os.chdir(cwd)
+      gin.clear_config()
+    assert cfg.export_path == f"demo_models/{name}", name
+    sizes[name] = t5.T5(cfg.model_config()).num_params()
+  assert sizes["ende_target"] > sizes["ende_large"] > sizes["ende_base"] > sizes["ende_small"]
+  assert sizes["ende_target"] >= 8 * sizes["ende_small"]
+  assert sizes["ende_small_distilled"] == sizes["ende_small"]
