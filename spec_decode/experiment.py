@@ -20,18 +20,20 @@ always computed from all rows. See `spec_decode.results` for the files.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 import uuid
 from typing import Any, Callable, Mapping, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import (data, decoding, distributed, metrics, model_specs, report, results,
-                         timing)
+from spec_decode import (data, decoding, distributed, model_specs, partitioning, report,
+                         results, theory, timing)
 from spec_decode.model_specs import LoadContext, ModelSpec
-from spec_decode.models.t5 import BOS_ID
 
 
 
@@ -42,7 +44,9 @@ class ExperimentConfig:
   target, draft: the models. task, split, num_examples (None = the whole
   split): the data; feature_lengths: seqio input/target lengths (inputs are
   cut to fit); max_decode_len: default feature_lengths['targets'].
-  gamma, lenience: speculative decoding; temperature, top_k, top_p: sampling,
+  gamma, lenience: speculative decoding; gamma None picks it with
+  theory.optimal_gamma (up to max_gamma) from alpha and c measured on the first
+  gamma_warmup_examples examples (see `choose_gamma`); temperature, top_k, top_p: sampling,
   the same for both decoders (temperature 0 = greedy). seed: the PRNG key.
   run_baseline: also decode autoregressively (needed for the speedup).
   timing_repeats: timed runs per batch (median). step_timing_repeats: runs of
@@ -62,7 +66,9 @@ class ExperimentConfig:
   feature_lengths: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {"inputs": 64, "targets": 64})
   max_decode_len: int | None = None
-  gamma: int = 7
+  gamma: int | None = 7
+  gamma_warmup_examples: int = 4
+  max_gamma: int = 10
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -84,9 +90,11 @@ class ExperimentConfig:
                          f"{type(getattr(self, role)).__name__}")
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
-    if not _is_int(self.gamma) or self.gamma < 1:
-      raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
-    for name in ("batch_size", "timing_repeats", "step_timing_repeats"):
+    if self.gamma is not None and (not _is_int(self.gamma) or self.gamma < 1):
+      raise ValueError(f"gamma must be an int >= 1 or None (chosen automatically), "
+                       f"got {self.gamma!r}")
+    for name in ("batch_size", "timing_repeats", "step_timing_repeats", "gamma_warmup_examples",
+                 "max_gamma"):
       if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"ExperimentConfig.{name} must be an int >= 1, "
                          f"got {getattr(self, name)!r}")
@@ -121,7 +129,6 @@ class ExperimentConfig:
   @property
   def rules(self):
     """The target's logical axis rules (T5X's standard ones, overridden as configured)."""
-    from spec_decode import partitioning
     return partitioning.standard_logical_axis_rules(
         parameter_partitioning_dims=self.parameter_partitioning_dims,
         additional_rules=tuple(tuple(r) for r in self.logical_axis_rules))
@@ -165,7 +172,6 @@ def setup(config: ExperimentConfig) -> _Setup:
                                 feature_lengths=config.feature_lengths)
   mesh = None
   if config.mesh:
-    from spec_decode import partitioning
     mesh = partitioning.make_mesh(config.mesh)
   elif jax.process_count() > 1:
     raise ValueError(f"a run over {jax.process_count()} processes needs a mesh over their "
@@ -184,7 +190,6 @@ def setup(config: ExperimentConfig) -> _Setup:
   draft, dparams = model_specs.load(config.draft, LoadContext(
       "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
   if mesh is not None:  # the decoders' layouts: target by T5X's rules, draft replicated
-    from spec_decode import partitioning
     tparams = partitioning.put(tparams, partitioning.param_shardings(
         target, mesh, config.rules, params=tparams))
     dparams = partitioning.put(dparams, partitioning.param_shardings(
@@ -209,7 +214,6 @@ def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
 
 def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, Any],
                 seconds: Mapping[str, float], batch_key: str) -> list[dict]:
-  cfg = s.config
   spec = outputs["speculative"]
   ar = outputs.get("autoregressive")
   tokens, lengths = np.asarray(spec.tokens), np.asarray(spec.lengths)
@@ -298,7 +302,6 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, float]:
   enc = jnp.asarray(data.encoder_batch(batch, batch_size=cfg.batch_size,
                                        input_length=cfg.feature_lengths["inputs"]))
   if s.mesh is not None:
-    from spec_decode import partitioning
     enc = partitioning.put(enc, partitioning.batch_sharding(s.mesh, enc.shape))
   length = cfg.decode_len + cfg.gamma + 1  # the speculative loop's cache size
   kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats)
@@ -308,6 +311,53 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, float]:
   return {"target_step_seconds": target_s, "draft_step_seconds": draft_s,
           "verify_seconds": verify_s, "c": draft_s / target_s,
           "verify_ratio": verify_s / target_s}
+
+
+GAMMA_FILE = "gamma.json"
+_PROBE_GAMMA = 4
+
+
+def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
+  """The gamma maximizing Thm 3.8 for alpha and c measured on warm-up examples.
+
+  alpha: the estimator (sum of beta over decided positions / decisions) of a
+  speculative decode of the first `gamma_warmup_examples` examples with gamma 4
+  (alpha does not depend on gamma); c: draft / target single-token step time on
+  one batch. The choice is written to output_dir/gamma.json and reused on resume.
+  """
+  path = f"{output_dir}/{GAMMA_FILE}"
+  if _is_writer() and os.path.exists(path):
+    with open(path) as f:
+      choice = json.load(f)
+  else:
+    cfg = s.config
+    probe = dataclasses.replace(s, config=dataclasses.replace(cfg, gamma=_PROBE_GAMMA))
+    warmup = s.examples[:cfg.gamma_warmup_examples]
+    B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
+    decode = _decoders(probe)["speculative"]
+    sums = np.zeros(2)
+    for i in range(0, len(warmup), B):
+      batch = warmup[i:i + B]
+      enc = data.encoder_batch(batch, batch_size=B, input_length=S)
+      ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
+      if s.mesh is not None:
+        enc, ids = (partitioning.put(x, partitioning.batch_sharding(s.mesh, x.shape))
+                    for x in (enc, ids))
+      stats = distributed.gather(decode(enc, ids).stats)
+      n = len(batch)
+      sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n])]
+    alpha = float(sums[0] / sums[1]) if sums[1] else 0.0
+    c = measure_step_times(probe, repeats=cfg.step_timing_repeats)["c"]
+    gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma))
+    choice = {"gamma": gamma, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
+              "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c))}
+    if _is_writer():
+      results.write_json(path, choice)
+  if jax.process_count() > 1:  # every process decodes with process 0's choice
+    from jax.experimental import multihost_utils
+    choice["gamma"] = int(multihost_utils.broadcast_one_to_all(np.int32(choice["gamma"])))
+  logging.info("gamma chosen: %s", choice)
+  return choice
 
 
 def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: bool = True,
@@ -330,6 +380,10 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
     from jax.experimental import multihost_utils
     done = np.asarray(multihost_utils.broadcast_one_to_all(done))
   todo = [ex for ex, d in zip(s.examples, done) if not d]
+  gamma_choice = None
+  if config.gamma is None:
+    gamma_choice = choose_gamma(s, output_dir)
+    s = dataclasses.replace(s, config=dataclasses.replace(config, gamma=gamma_choice["gamma"]))
   compile_times = {}  # this run's; empty when nothing was left to decode
   if todo:
     compile_times = _decode_remaining(s, todo, output_dir, show_progress=show_progress,
@@ -341,8 +395,9 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
   results.write_json(f"{output_dir}/{results.PROGRESS}",
                      {"completed": sum(ex.index in rows for ex in s.examples),
                       "total": len(s.examples)})
-  summary = report.summarize(config, metric_fns=s.task.metric_fns, examples=s.examples,
+  summary = report.summarize(s.config, metric_fns=s.task.metric_fns, examples=s.examples,
                              rows=rows, step_times=step_times, compile_times=compile_times)
+  summary["gamma_selection"] = gamma_choice
   summary["timing"]["run_seconds"] = time.perf_counter() - start
   results.write_json(f"{output_dir}/{results.RESULTS}", summary)
   results.write_text(f"{output_dir}/{results.TABLE_ROW}",

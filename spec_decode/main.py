@@ -129,6 +129,22 @@ def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str |
   return summary
 
 
+def format_summary(summary: dict) -> str:
+  """The Table-4-style row, then quality of both decoders, identity rate and gamma choice."""
+  from spec_decode import report
+  lines = [report.TABLE_HEADER + summary["table_row"]]
+  for name, values in summary["metrics"].items():
+    lines.append(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(values.items())))
+  if summary.get("identical_fraction") is not None:
+    lines.append(f"identical outputs: {summary['identical_fraction']:.1%}")
+  choice = summary.get("gamma_selection")
+  if choice:
+    lines.append(f"gamma {choice['gamma']} chosen by theory.optimal_gamma from alpha "
+                 f"{choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
+                 f"{choice['warmup_examples']} warm-up examples")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -136,7 +152,7 @@ def main(argv: Sequence[str]) -> None:
   summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
                 show_progress=FLAGS.progress and jax.process_index() == 0)
   if summary:  # process 0
-    print(summary["table_row"])
+    print(format_summary(summary))
 
 
 def _parse_flags(argv: Sequence[str]):

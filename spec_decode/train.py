@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
 from typing import Any, Callable, Mapping, Optional
 

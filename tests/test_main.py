@@ -278,3 +278,27 @@ def test_two_processes_write_what_one_process_writes(tmp_path):
     for k in ("spec_tokens", "ar_tokens", "accepted", "decisions", "target_calls"):
       assert g[k] == w[k], k
   assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
+
+
+def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
+  out = str(tmp_path / "auto")
+  bindings = SMALL + ["NUM_EXAMPLES = 4", "GAMMA = None",
+                      "ExperimentConfig.gamma_warmup_examples = 2"]
+  summary = main.run([TOY], bindings, out, show_progress=False)
+  choice = summary["gamma_selection"]
+  with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
+    assert json.load(f) == choice
+  assert choice["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"], max_gamma=10)
+  assert 0.0 <= choice["alpha"] <= 1.0 and choice["c"] > 0 and choice["warmup_examples"] == 2
+  assert summary["experiment"]["gamma"] == choice["gamma"]
+  assert all(len(r["decided_at"]) == choice["gamma"] for r in _rows(out))
+  assert f"gamma {choice['gamma']} chosen by theory.optimal_gamma" in main.format_summary(summary)
+  # A resumed run reuses the recorded choice instead of measuring again (the marker
+  # alpha below could not come out of a measurement).
+  with open(os.path.join(out, experiment.GAMMA_FILE), "w") as f:
+    json.dump(dict(choice, alpha=0.123456), f)
+  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = None",
+                                   "ExperimentConfig.gamma_warmup_examples = 2"], out,
+                   show_progress=False)
+  assert again["gamma_selection"] == dict(choice, alpha=0.123456)
+  assert again["experiment"]["gamma"] == choice["gamma"] and again["completed"] == 6

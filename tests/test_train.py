@@ -1,7 +1,6 @@
 """The trainer: losses, deterministic batches, loss decrease, exact resume, distillation."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
