@@ -177,7 +177,8 @@ def test_sampled_resume_is_exact(tmp_path):
 
 def test_errors_are_clear(tmp_path):
   out = str(tmp_path / "err")
-  with pytest.raises(ValueError, match="gamma must be an int >= 1 or None \\(chosen automatically\\), got 0"):
+  with pytest.raises(ValueError,
+                     match=r"gamma must be an int >= 1 or None \(chosen automatically\), got 0"):
     main.run([TOY], SMALL + ["GAMMA = 0"], out, show_progress=False)
   with pytest.raises(ValueError, match="unknown task 'no_such_task'; known tasks: .*toy_reverse"):
     main.run([TOY], SMALL + ["MIXTURE_OR_TASK_NAME = 'no_such_task'"], out, show_progress=False)
