@@ -17,8 +17,8 @@ would cost work and need masking out of results and statistics), while
 replication keeps the unsharded computation, at the cost of memory on that
 axis. (Sharded contractions still sum in another order, so logits may differ
 from the unsharded ones in the last float bits; tokens then differ only where
-two candidates tie to within that rounding.) Examples: T5.1.1-small's 6 heads on model=4 or 8 leave `heads`
-and `joined_kv` replicated (joined_kv = heads * head_dim is only split whole
+two candidates tie to within that rounding.) Examples: T5.1.1-small's 6 heads on
+model=4 or 8 leave `heads` and `joined_kv` replicated (joined_kv = heads * head_dim is only split whole
 heads at a time, see `param_shardings`) while `mlp` (1024) and `vocab`
 (32128) stay sharded; a batch of 3 on data=2 is replicated over `data`.
 """

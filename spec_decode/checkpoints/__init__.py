@@ -19,9 +19,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from spec_decode.checkpoints import hf, infer, orbax_ckpt, storage, t5x_legacy
-from spec_decode.checkpoints.common import (CheckpointError, check_shapes, flatten,
-                                            materialize, resolve_dtype, unflatten)
+from spec_decode.checkpoints.common import CheckpointError, check_shapes, materialize, resolve_dtype
 from spec_decode.models import t5
+from spec_decode.tree_util import flatten, unflatten
 
 FORMATS = ("t5x", "orbax", "hf")
 _MSGPACK_MAP_PREFIXES = (*range(0x80, 0x90), 0xDE, 0xDF)

@@ -9,13 +9,14 @@ whole or, given shardings, one device shard at a time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.models import t5
+from spec_decode.tree_util import flatten
 
 Index = tuple[slice, ...]
 _MAX_LISTED = 8
@@ -23,30 +24,6 @@ _MAX_LISTED = 8
 
 class CheckpointError(ValueError):
   """A checkpoint is missing, unreadable, corrupt, or does not fit the model."""
-
-
-def flatten(tree: Mapping[str, Any], is_leaf: Callable[[Any], bool] = lambda x: False,
-            prefix: str = "") -> dict[str, Any]:
-  """Nested dicts -> {'a/b/c': leaf}. Non-dict values (and `is_leaf` dicts) are leaves."""
-  out = {}
-  for key, value in tree.items():
-    path = f"{prefix}{key}"
-    if isinstance(value, Mapping) and not is_leaf(value):
-      out.update(flatten(value, is_leaf, path + "/"))
-    else:
-      out[path] = value
-  return out
-
-
-def unflatten(flat: Mapping[str, Any]) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    *parents, leaf = path.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return tree
 
 
 def expected_shapes(config: t5.T5Config) -> dict[str, tuple[int, ...]]:

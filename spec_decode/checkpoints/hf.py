@@ -20,9 +20,10 @@ import ml_dtypes
 import numpy as np
 
 from spec_decode.checkpoints import hf_names, storage
-from spec_decode.checkpoints.common import (ArraySource, CheckpointError, check_shapes,
-                                            full_index, materialize, resolve_dtype, unflatten)
+from spec_decode.checkpoints.common import (ArraySource, CheckpointError, check_shapes, full_index,
+                                            materialize, resolve_dtype)
 from spec_decode.models import t5
+from spec_decode.tree_util import unflatten
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"

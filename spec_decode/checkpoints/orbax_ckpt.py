@@ -13,7 +13,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from spec_decode.checkpoints import storage
-from spec_decode.checkpoints.common import CheckpointError, flatten, unflatten
+from spec_decode.checkpoints.common import CheckpointError
+from spec_decode.tree_util import flatten, unflatten
 
 STATE_DIR = "state"
 METADATA_FILE = "_METADATA"

@@ -29,8 +29,8 @@ import numpy as np
 import tensorstore as ts
 
 from spec_decode.checkpoints import msgpack_codec, storage
-from spec_decode.checkpoints.common import (ArraySource, CheckpointError, flatten, host_blocks,
-                                            unflatten)
+from spec_decode.checkpoints.common import ArraySource, CheckpointError, host_blocks
+from spec_decode.tree_util import flatten, unflatten
 
 VERSION = 3
 CHECKPOINT_FILE = "checkpoint"

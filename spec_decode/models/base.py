@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 
 @runtime_checkable
@@ -22,6 +23,26 @@ class Cache(Protocol):
 
   def rewind(self, lengths: jax.Array) -> "Cache":
     """Sets each row's length; entries beyond it are ignored and later overwritten."""
+
+
+class LengthCache:
+  """Mixin for flax.struct caches whose rewind only moves the per-row `lengths` [B].
+
+  Entries beyond a row's length stay in place; attention (or the lookup) never
+  reads them and later writes overwrite them, so a rewind is O(1).
+  """
+
+  @property
+  def batch_size(self) -> int:
+    return self.lengths.shape[0]
+
+  def rewind(self, lengths):
+    """Sets each row's length."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != self.lengths.shape:
+      raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
+                       f"got {lengths.shape}")
+    return self.replace(lengths=lengths)
 
 
 @runtime_checkable

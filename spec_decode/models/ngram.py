@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode.models import base
 from spec_decode.models.t5 import BOS_ID, EOS_ID, _check_tokens
 
 LOG_ZERO = -1e9
 
 
 @flax.struct.dataclass
-class NGramCache:
+class NGramCache(base.LengthCache):
   """lengths [B] int32: tokens consumed per row. No history is needed (see module doc)."""
   lengths: jax.Array
   max_len: int = flax.struct.field(pytree_node=False, default=0)
@@ -40,17 +41,6 @@ class NGramCache:
   @property
   def max_length(self) -> int:
     return self.max_len
-
-  @property
-  def batch_size(self) -> int:
-    return self.lengths.shape[0]
-
-  def rewind(self, lengths: jax.Array) -> "NGramCache":
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if lengths.shape != self.lengths.shape:
-      raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
-                       f"got {lengths.shape}")
-    return self.replace(lengths=lengths)
 
   def logical_axes(self) -> "NGramCache":
     return self.replace(lengths=("batch",))

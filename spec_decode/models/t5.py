@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode import tree_util
+from spec_decode.models import base
+
 Params = Mapping[str, Any]
 
 PAD_ID = 0
@@ -148,7 +151,7 @@ class EncoderOutput:
 
 
 @flax.struct.dataclass
-class DecodeCache:
+class DecodeCache(base.LengthCache):
   """Per-layer decoder KV cache with a per-row length.
 
   self_k, self_v:   tuple over decoder layers of [B, L, N, H]; positions >= a
@@ -167,18 +170,6 @@ class DecodeCache:
   @property
   def max_length(self) -> int:
     return self.self_k[0].shape[1]
-
-  @property
-  def batch_size(self) -> int:
-    return self.lengths.shape[0]
-
-  def rewind(self, lengths: jax.Array) -> "DecodeCache":
-    """Sets each row's length (O(1)); later writes overwrite the stale entries."""
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if lengths.shape != self.lengths.shape:
-      raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
-                       f"got {lengths.shape}")
-    return self.replace(lengths=lengths)
 
 
 def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int,
@@ -309,24 +300,13 @@ class T5:
       specs["decoder/logits_dense/kernel"] = ((E, V), ("embed", "vocab"), mlp_init)
     return specs
 
-  @staticmethod
-  def _unflatten(flat: Mapping[str, Any]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-      node = tree
-      *parents, leaf = path.split("/")
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = value
-    return tree
-
   def init(self, rng: jax.Array) -> dict:
     """Random parameters with T5X's initializers, in `config.dtype`."""
     specs = self._param_specs()
     keys = jax.random.split(rng, len(specs))
     flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
             for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
-    return self._unflatten(flat)
+    return tree_util.unflatten(flat)
 
   def param_shapes(self) -> dict:
     """Parameter tree of jax.ShapeDtypeStruct, without allocating anything."""
@@ -334,7 +314,7 @@ class T5:
 
   def logical_axes(self) -> dict:
     """Same tree as the parameters, each leaf a tuple of T5X logical axis names."""
-    return self._unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
+    return tree_util.unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
 
   def num_params(self) -> int:
     return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())

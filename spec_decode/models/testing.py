@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.decoding.sampling import Sampling
+from spec_decode.models import base
 from spec_decode.models.t5 import BOS_ID, EOS_ID, _check_tokens
 
 
 @flax.struct.dataclass
-class MarkovCache:
+class MarkovCache(base.LengthCache):
   """history [B, L] int32: tokens fed so far (junk at positions >= a row's length).
 
   bias [B, V] float32: the per-example logit bias from `encode`.
@@ -43,18 +44,6 @@ class MarkovCache:
   @property
   def max_length(self) -> int:
     return self.history.shape[1]
-
-  @property
-  def batch_size(self) -> int:
-    return self.lengths.shape[0]
-
-  def rewind(self, lengths: jax.Array) -> "MarkovCache":
-    """Sets each row's length; history beyond it is overwritten by later feeds."""
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if lengths.shape != self.lengths.shape:
-      raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
-                       f"got {lengths.shape}")
-    return self.replace(lengths=lengths)
 
   def logical_axes(self) -> "MarkovCache":
     """Logical axes per field, for `partitioning.constrain_cache` under a mesh."""
