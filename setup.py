@@ -33,6 +33,7 @@ setuptools.setup(
             "scipy",
             "torch==2.13.0",
             "transformers",
+            "matplotlib",
         ],
         # seqio pulls TensorFlow; versions tested together with jax 0.10 / numpy 2.4.
         "data": [

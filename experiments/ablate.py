@@ -1,0 +1,403 @@
+r"""gamma and c sweeps of speculative decoding, measured against Theorem 3.8.
+
+  python -m experiments.ablate                       # demo EnDe target; drafts small/base/large
+  python -m experiments.ablate --added_c 0.25,0.5,1,2 --delay_mode sleep
+  python -m experiments.ablate --scale tiny --gammas 1-3 --added_c 1 --num_examples 2
+
+Draft variants: the drafts of --drafts as they are (their natural c), and the
+--delay_draft wrapped in `experiments.delay.DelayedDecoder` once per
+--added_c value x, its delay calibrated so that each draft call costs about
+x * T_p more (c ~ c0 + x); alpha stays that of the undelayed draft. For each
+variant and each gamma in --gammas, speculative decoding of the same
+--num_examples examples is timed against the autoregressive baseline (all
+after compilation, --repeats rounds, the median kept), next to
+  Thm 3.8:    (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), at the
+              variant's measured alpha and c; and
+  cost model: E[tokens] / (gamma c + T_verify(gamma+1) / T_p), which charges
+              the measured cost of verifying gamma + 1 tokens instead of one step.
+Writes <results_dir>/ablate_<task>.{md,csv,json} and three PNG plots:
+  ablate_<task>_gamma.png    speedup vs gamma per variant, points over both curves;
+  ablate_<task>_c.png        speedup vs c for the delayed variants, per gamma;
+  ablate_<task>_figure3.png  the paper's Figure 3 (optimal gamma vs alpha, one curve
+                             per c) with each variant's best measured gamma.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import _common, costs, setups
+from experiments._common import Column, fmt
+from experiments.delay import DelayedDecoder
+from spec_decode import timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A draft to sweep: its label, model and params; added = the requested extra c (or None)."""
+  label: str
+  draft: str
+  model: Any
+  params: Any
+  added: float | None = None
+  delay: float | None = None
+
+
+def _load(args) -> tuple[Any, dict[str, Any], list[str]]:
+  """(first loaded setup, {draft: setup}, notes about drafts that are missing)."""
+  loaded, notes = {}, []
+  extra = setups.row_bindings(temperature=args.temperature, num_examples=args.num_examples,
+                              batch_size=args.batch_size)
+  names = list(dict.fromkeys(list(args.drafts) + ([args.delay_draft] if args.added_c else [])))
+  for d in names:
+    s = setups.experiment_setup(args.scale, args.task, d, temperature=args.temperature,
+                                demo_dir=args.demo_models).with_bindings(*extra)
+    if s.missing:
+      notes.append(f"draft {d} skipped: {'; '.join(s.missing)}")
+      continue
+    loaded[d] = setups.load(s)
+  if not loaded:
+    raise ValueError(f"no draft could be loaded: {notes}")
+  return next(iter(loaded.values())), loaded, notes
+
+
+def _calibrate(args, draft, dparams, enc, cache_length: int, t_p: float) -> dict:
+  """Delay per --added_c value: seconds (sleep) or matmul iterations (compute)."""
+  model = DelayedDecoder(draft, mode=args.delay_mode, matmul_size=args.matmul_size)
+  if args.delay_mode == "sleep":
+    return {x: x * t_p for x in args.added_c}
+  probe = 8
+  step = lambda d: costs.decode_step(model, model.wrap_params(dparams, d), enc, num_tokens=1,
+                                     cache_length=cache_length, steps=args.loop_steps)
+  while True:  # grow the probe until it adds at least T_p / 2 (well above timing noise)
+    t = costs.interleaved({"0": step(0), "p": step(probe)}, repeats=max(3, args.repeats),
+                          inner=args.inner)
+    extra = float(np.median(t["p"]) - np.median(t["0"]))
+    if extra > 0.5 * t_p or probe >= 1 << 20:
+      break
+    probe *= 16
+  per_iteration = max(extra, 1e-9) / probe
+  return {x: float(max(1, round(x * t_p / per_iteration))) for x in args.added_c}
+
+
+def _decode_all(fn, batches) -> tuple[float, list]:
+  total, outs = 0.0, []
+  for enc, ids in batches:
+    t = timing.timed(lambda: fn(enc, ids))
+    total += t.seconds[0]
+    outs.append(t.result)
+  return total, outs
+
+
+def _stats(outs, n_rows: int) -> dict[str, float]:
+  cat = lambda key: np.concatenate([np.asarray(getattr(r.stats, key)) for r in outs])[:n_rows]
+  lengths = np.concatenate([np.asarray(r.lengths) for r in outs])[:n_rows]
+  dec, calls = cat("decisions").sum(), cat("target_calls").sum()
+  return {"alpha": float(cat("min_pq_sum").sum() / dec) if dec else math.nan,
+          "alpha_observed": float(cat("accepted").sum() / dec) if dec else math.nan,
+          "tokens": float(lengths.sum()),
+          "tokens_per_call": float(lengths.sum() / calls) if calls else math.nan}
+
+
+def run(args) -> dict[str, Any]:
+  from spec_decode import data, decoding, theory
+  base, loaded, notes = _load(args)
+  cfg = base.config
+  target, tparams = base.target, base.target_params
+  B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
+  examples = list(base.examples)
+  batches = []
+  for i in range(0, len(examples), B):
+    chunk = examples[i:i + B]
+    ids = [ex.index for ex in chunk] + [chunk[-1].index] * (B - len(chunk))
+    batches.append((jnp.asarray(data.encoder_batch(chunk, batch_size=B, input_length=S)),
+                    jnp.asarray(ids, jnp.int32)))
+  variants = [Variant(f"{d} (natural)" if args.added_c else d, d, s.draft, s.draft_params)
+              for d, s in loaded.items() if d in args.drafts]
+  cache_length = cfg.decode_len + max(args.gammas) + 1
+  enc = batches[0][0]
+  kw = dict(cache_length=cache_length, position=cfg.decode_len // 2, steps=args.loop_steps)
+  t_p0 = float(np.median(costs.interleaved(
+      {"t": costs.decode_step(target, tparams, enc, num_tokens=1, **kw)},
+      repeats=max(3, args.repeats), inner=args.inner)["t"]))
+  if args.added_c and args.delay_draft in loaded:
+    d = loaded[args.delay_draft]
+    delays = _calibrate(args, d.draft, d.draft_params, enc, cache_length, t_p0)
+    model = DelayedDecoder(d.draft, mode=args.delay_mode, matmul_size=args.matmul_size)
+    unit = "s" if args.delay_mode == "sleep" else " matmuls"
+    for x, delay in delays.items():
+      variants.append(Variant(f"{args.delay_draft} +{x:g} T_p ({delay:.4g}{unit})",
+                              args.delay_draft, model, model.wrap_params(d.draft_params, delay),
+                              added=x, delay=delay))
+  # Step costs, interleaved: T_p, each variant's T_q, and the verify calls.
+  fns = {"target": costs.decode_step(target, tparams, enc, num_tokens=1, **kw)}
+  for i, v in enumerate(variants):
+    fns[f"draft_{i}"] = costs.decode_step(v.model, v.params, enc, num_tokens=1, **kw)
+  for g in args.gammas:
+    fns[f"verify_{g}"] = costs.decode_step(target, tparams, enc, num_tokens=g + 1, **kw)
+  times = costs.interleaved(fns, repeats=args.repeats, inner=args.inner)
+  t_p = times["target"]
+  c = [_common.spread(costs.ratios(times[f"draft_{i}"], t_p)) for i in range(len(variants))]
+  verify = {g: _common.spread(costs.ratios(times[f"verify_{g}"], t_p)) for g in args.gammas}
+  # End-to-end decoding, interleaved over rounds.
+  common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
+                rng=jax.random.PRNGKey(cfg.seed))
+  ar = lambda enc, ids: decoding.autoregressive(target, tparams, enc, row_ids=ids, **common)
+  spec = {(i, g): (lambda enc, ids, v=v, g=g: decoding.speculative(
+      target, tparams, v.model, v.params, enc, gamma=g, row_ids=ids, **common))
+      for i, v in enumerate(variants) for g in args.gammas}
+  jax.block_until_ready(ar(*batches[0]))
+  for f in spec.values():
+    jax.block_until_ready(f(*batches[0]))
+  ar_s, spec_s, outs = [], {k: [] for k in spec}, {}
+  for _ in range(args.repeats):
+    seconds, _ = _decode_all(ar, batches)
+    ar_s.append(seconds)
+    for k, f in spec.items():
+      seconds, outs[k] = _decode_all(f, batches)
+      spec_s[k].append(seconds)
+  rows = []
+  for (i, g), secs in spec_s.items():
+    st = _stats(outs[(i, g)], len(examples))
+    speedups = costs.ratios(ar_s, secs)
+    a, cm = st["alpha"], c[i]["median"]
+    ok = not math.isnan(a)
+    rows.append({
+        "variant": variants[i].label, "draft": variants[i].draft, "added_c": variants[i].added,
+        "delay": variants[i].delay,
+        "c": cm, "c_spread": c[i], "gamma": g, "alpha": a, "alpha_observed": st["alpha_observed"],
+        "tokens_per_call": st["tokens_per_call"], "verify_ratio": verify[g]["median"],
+        "autoregressive_seconds": float(np.median(ar_s)), "speculative_seconds": float(
+            np.median(secs)), "speedup": float(np.median(speedups)),
+        "speedup_spread": _common.spread(speedups),
+        "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
+        "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + verify[g]["median"])
+        if ok else None})
+  for v_rows in _by_variant(rows).values():
+    best = max(v_rows, key=lambda r: r["speedup"])
+    a = _mean_alpha(v_rows)
+    for r in v_rows:
+      r["best_measured_gamma"] = best["gamma"]
+      r["variant_alpha"] = a
+      r["optimal_gamma_thm38"] = None if math.isnan(a) else int(
+          theory.optimal_gamma(a, r["c"], max_gamma=max(args.gammas)))
+  return {"rows": rows, "notes": notes, "target_step": _common.spread(t_p),
+          "target": cfg.target.label, "task": cfg.task, "examples": len(examples),
+          "batch_size": B, "temperature": cfg.temperature, "decode_len": cfg.decode_len}
+
+
+def _mean_alpha(rows: list[dict]) -> float:
+  """A variant's alpha: the mean over its gammas (each run measures it on its own decisions)."""
+  values = [r["alpha"] for r in rows if not math.isnan(r["alpha"])]
+  return float(np.mean(values)) if values else math.nan
+
+
+def _by_variant(rows: list[dict]) -> dict[str, list[dict]]:
+  out: dict[str, list[dict]] = {}
+  for r in rows:
+    out.setdefault(r["variant"], []).append(r)
+  return out
+
+
+# ------------------------------------------------------------------ plots
+def plot(res: dict[str, Any], stem: str, machine: str, command: str) -> list[str]:
+  """The three PNGs (see the module docstring); returns their paths."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
+
+  from spec_decode import theory
+  by = _by_variant(res["rows"])
+  footer = f"{command}\n{machine}"
+  paths = []
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+  def save(fig, name):
+    fig.text(0.01, 0.005, footer, fontsize=5, va="bottom", family="monospace", wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path = f"{stem}_{name}.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    paths.append(path)
+
+  # 1. speedup vs gamma.
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for k, (label, rows) in enumerate(by.items()):
+    col = colors[k % len(colors)]
+    g = np.array([r["gamma"] for r in rows])
+    s = np.array([r["speedup"] for r in rows])
+    lo = s - np.array([r["speedup_spread"]["p25"] for r in rows])
+    hi = np.array([r["speedup_spread"]["p75"] for r in rows]) - s
+    a = rows[0]["variant_alpha"]
+    ax.errorbar(g, s, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], fmt="o", color=col,
+                label=f"{label}: alpha {a:.2f}, c {rows[0]['c']:.2f}")
+    if not math.isnan(a):
+      gg = np.arange(1, max(g) + 1)
+      ax.plot(gg, theory.walltime_improvement(a, gg, rows[0]["c"]), "-", color=col, alpha=0.7)
+      ax.plot(g, [r["cost_model"] for r in rows], ":", color=col, alpha=0.9)
+  ax.axhline(1.0, color="gray", lw=0.5)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_xlabel("gamma")
+  ax.set_ylabel("speedup over autoregressive")
+  ax.set_title("Measured (points) vs Thm 3.8 (solid) and cost model (dotted)")
+  ax.legend(fontsize=6)
+  save(fig, "gamma")
+
+  # 2. speedup vs c (delayed variants and natural ones), a curve per gamma.
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  gammas = sorted({r["gamma"] for r in res["rows"]})
+  shown = [g for g in gammas if g in (1, 2, 3, 5, 7, 10)] or gammas
+  delayed = [r for r in res["rows"] if r["added_c"] is not None]
+  # The delayed draft at its natural c and with each delay: one alpha, c varied.
+  pool = [r for r in res["rows"] if r["draft"] == delayed[0]["draft"]] if delayed \
+      else res["rows"]
+  alpha = _mean_alpha(pool)
+  cmax = max(r["c"] for r in pool) * 1.1
+  cc = np.linspace(0.0, max(cmax, 0.1), 100)
+  for k, g in enumerate(shown):
+    col = colors[k % len(colors)]
+    pts = [r for r in pool if r["gamma"] == g]
+    ax.plot([r["c"] for r in pts], [r["speedup"] for r in pts], "o", color=col,
+            label=f"gamma {g}")
+    if not math.isnan(alpha):
+      ax.plot(cc, theory.walltime_improvement(alpha, g, cc), "-", color=col, alpha=0.7)
+  ax.axhline(1.0, color="gray", lw=0.5)
+  ax.set_xlabel("c = T_q / T_p (measured)")
+  ax.set_ylabel("speedup over autoregressive")
+  ax.set_title(f"c sweep: measured (points) vs Thm 3.8 at alpha = {alpha:.2f} (lines)")
+  ax.legend(fontsize=6)
+  save(fig, "c")
+
+  # 3. Figure 3: optimal gamma vs alpha, one curve per measured c.
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  aa = np.linspace(0.05, 0.99, 200)
+  gmax = max(gammas)
+  optimum = lambda c: np.where(theory.speculation_helps(aa, c),  # alpha <= c: none helps
+                               theory.optimal_gamma(aa, c, max_gamma=gmax), np.nan)
+  for c in (0.02, 0.04, 0.11):  # the paper's T5-small/base/large drafts of T5-XXL
+    ax.step(aa, optimum(c), where="mid", color="gray", ls="--", lw=0.8, alpha=0.6)
+  ax.plot([], [], color="gray", ls="--", lw=0.8, label="paper's c = 0.02, 0.04, 0.11")
+  for k, (label, rows) in enumerate(by.items()):
+    col = colors[k % len(colors)]
+    cm, a = rows[0]["c"], rows[0]["variant_alpha"]
+    ax.step(aa, optimum(cm), where="mid", color=col, alpha=0.6,
+            label=f"Thm 3.8 optimum, c = {cm:.2f} ({label})")
+    if not math.isnan(a):
+      ax.plot([a], [rows[0]["best_measured_gamma"]], "o", color=col, ms=8)
+  ax.set_xlim(0.0, 1.0)
+  ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_xlabel("alpha")
+  ax.set_ylabel("optimal gamma (curves drawn where alpha > c)")
+  ax.set_title("Optimal gamma vs alpha (paper Fig. 3); points: best measured gamma")
+  ax.legend(fontsize=6)
+  save(fig, "figure3")
+  return paths
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.ablate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--scale", default="demo", choices=("tiny", "demo"))
+  p.add_argument("--task", default="ende", choices=setups.TASKS)
+  p.add_argument("--drafts", default="small,base,large",
+                 help=f"drafts swept at their natural c, among {setups.DRAFTS}")
+  p.add_argument("--delay_draft", default="small", help="the draft the c sweep delays")
+  p.add_argument("--added_c", default="0.25,0.5,1,2",
+                 help="extra cost per draft call in units of T_p ('' = no c sweep)")
+  p.add_argument("--delay_mode", default="compute", choices=("compute", "sleep"))
+  p.add_argument("--matmul_size", type=int, default=64,
+                 help="compute mode: side of the square matmuls (smaller = finer steps of c)")
+  p.add_argument("--gammas", default="1-10")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--num_examples", type=int, default=None, help="default: tiny 2, demo 40")
+  p.add_argument("--batch_size", type=int, default=1)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--inner", type=int, default=3)
+  p.add_argument("--loop_steps", type=int, default=8,
+                 help="decode steps per timed call, in one jitted loop (see costs.py)")
+  p.add_argument("--demo_models", default=None)
+  p.add_argument("--no_plots", dest="plots", action="store_false")
+  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  args = p.parse_args(list(argv))
+  args.drafts = tuple(d.strip() for d in args.drafts.split(",") if d.strip())
+  bad = [d for d in args.drafts + (args.delay_draft,) if d not in setups.DRAFTS]
+  if bad:
+    p.error(f"unknown drafts {bad}; known: {setups.DRAFTS}")
+  args.added_c = _common.parse_floats(args.added_c, "added_c") if args.added_c.strip() else ()
+  if any(x <= 0 for x in args.added_c):
+    p.error("--added_c values must be > 0")
+  args.gammas = _common.parse_ints(args.gammas, "gammas")
+  args.num_examples = args.num_examples or (2 if args.scale == "tiny" else 40)
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  meta = _common.new_meta("experiments.ablate", argv, **{
+      k: v for k, v in vars(args).items() if k != "results_dir"})
+  res = run(args)
+  _common.finish_meta(meta)
+  x = lambda v: fmt(v, 2, "X")
+  cols = [Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
+          Column("gamma", "gamma"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
+          Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
+          Column("verify_ratio", "T_verify/T_p", lambda v: fmt(v, 2)),
+          Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
+          Column("cost_model", "cost model", x),
+          Column("best_measured_gamma", "best gamma (measured)"),
+          Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)")]
+  notes = [f"target {res['target']} on {res['task']}, {res['examples']} examples, batch "
+           f"{res['batch_size']}, temperature {res['temperature']:g}, up to {res['decode_len']} "
+           f"tokens; T_p = {_common.fmt_spread(res['target_step'], scale=1e3)} ms.",
+           f"Delay mode {args.delay_mode}: " + (
+               f"a chain of [{args.matmul_size}, {args.matmul_size}] matmuls per draft call"
+               if args.delay_mode == "compute" else "a host-callback sleep per draft call")
+           + " (experiments/delay.py); the delay is calibrated to add about x * T_p per call.",
+           f"Speedups: median over {args.repeats} rounds of autoregressive / speculative seconds "
+           "on the same examples; c and T_verify/T_p are medians of per-round ratios of step "
+           f"times measured {args.loop_steps} steps per jitted loop (no per-step dispatch)."] + \
+      res["notes"]
+  stem = os.path.join(args.results_dir, f"ablate_{args.task}")
+  os.makedirs(args.results_dir, exist_ok=True)
+  figures = []
+  if args.plots:
+    figures = plot(res, stem, _common.machine_line(meta["machine"]), meta["command"])
+  extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n\n" for f in figures)
+  summary_cols = [
+      Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
+      Column("variant_alpha", "alpha", lambda v: fmt(v, 3)),
+      Column("best_measured_gamma", "best gamma (measured)"),
+      Column("speedup", "speedup at it", x), Column("thm38", "Thm 3.8 there", x),
+      Column("cost_model", "cost model there", x),
+      Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)"),
+      Column("speedup_at_optimal", "measured at Thm 3.8's gamma", x)]
+  summary_rows = []
+  for v_rows in _by_variant(res["rows"]).values():
+    best = next(r for r in v_rows if r["gamma"] == r["best_measured_gamma"])
+    at_opt = next((r for r in v_rows if r["gamma"] == r["optimal_gamma_thm38"]), None)
+    summary_rows.append(dict(best, speedup_at_optimal=at_opt and at_opt["speedup"]))
+  paths = _common.write_outputs(args.results_dir, f"ablate_{args.task}",
+                                title=f"Ablation: gamma and c sweeps ({args.task}, "
+                                f"{args.scale} scale)", columns=cols, rows=res["rows"],
+                                meta=meta, notes=notes, extra_md=extra_md,
+                                extra={"figures": [os.path.basename(f) for f in figures]},
+                                readme_table=(summary_cols, summary_rows))
+  print(open(paths["md"], encoding="utf-8").read())
+  paths.update({f"png_{i}": f for i, f in enumerate(figures)})
+  return paths
+
+
+if __name__ == "__main__":
+  main()

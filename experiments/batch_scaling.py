@@ -1,0 +1,190 @@
+r"""Speedup of speculative decoding against batch size, which the paper never measured.
+
+  python -m experiments.batch_scaling                          # demo EnDe pair, B = 1,4,16,64
+  python -m experiments.batch_scaling --scale tiny --batch_sizes 1,2 --num_examples 2
+  python -m experiments.batch_scaling --scale paper \
+      --checkpoints ende_target=gs://B/xxl_ende/ckpt,ende_small=gs://B/small_ende/ckpt
+
+For each batch size B the same --num_examples examples are decoded in
+batches of B by `spec_decode.main` (one experiment per B: baseline and
+speculative, both timed after compilation); then T_p, T_q and T_verify are
+measured at that B on the first batch, interleaved and inside a jitted loop
+(`experiments.costs.pair_costs`, as benchmark.py), and the table lists the
+measured speedup next to Theorem 3.8's prediction at the measured alpha and
+c(B), and the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) at B.
+(The run's own c, from single dispatched steps, is kept in the JSON as c_run.) Larger batches make a
+decode step less memory-bound, so the verify call's extra gamma tokens stop
+being free (T_verify / T_p grows), and a batch waits for its slowest row.
+Writes <results_dir>/batch_scaling_<task>.{md,csv,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+from experiments import _common, costs, setups
+from experiments._common import Column, fmt
+
+DEFAULT_RUNS_DIR = "/tmp/spec_decode_batch_scaling"
+
+
+def run(args) -> list[dict[str, Any]]:
+  from spec_decode import theory
+  rows = []
+  for B in args.batch_sizes:
+    s = setups.experiment_setup(args.scale, args.task, args.draft, temperature=args.temperature,
+                                demo_dir=args.demo_models,
+                                checkpoints=setups.parse_checkpoints(args.checkpoints))
+    s = s.with_bindings(*setups.row_bindings(
+        gamma=args.gamma, temperature=args.temperature, batch_size=B,
+        num_examples=args.num_examples, step_timing_repeats=args.step_timing_repeats,
+        timing_repeats=args.timing_repeats), *args.gin_bindings)
+    run_dir = os.path.join(args.runs_dir, args.scale, f"{args.task}_{args.draft}_t"
+                           f"{args.temperature:g}_g{args.gamma}_b{B}")
+    print(f"batch {B} -> {run_dir}", flush=True)
+    summary = setups.run(s, run_dir, show_progress=args.progress)
+    pc = _costs(args, s, B)
+    t = summary["timing"]
+    n = summary["completed"]
+    lengths = summary["mean_output_length"]
+    alpha, c, r = summary["alpha"], pc["c"]["median"], pc["verify_ratio"][args.gamma]["median"]
+    ok = alpha is not None and not math.isnan(alpha)
+    rows.append({
+        "batch_size": B, "examples": n, "alpha": alpha,
+        "tokens_per_call": summary["tokens_per_target_call"], "c": c, "verify_ratio": r,
+        "c_spread": pc["c"], "c_run": t["c"], "verify_ratio_run": t["verify_ratio"],
+        "thm38_run": summary["speedup_predicted"],
+        "target_step_ms": pc["target_step"]["median"] * 1e3,
+        "draft_step_ms": pc["draft_step"]["median"] * 1e3,
+        "autoregressive_tokens_per_s": lengths["autoregressive"] * n
+        / t["autoregressive_seconds"],
+        "speculative_tokens_per_s": lengths["speculative"] * n / t["speculative_seconds"],
+        "speedup": summary["speedup_measured"],
+        "thm38": float(theory.walltime_improvement(alpha, args.gamma, c)) if ok else None,
+        "cost_model": float(theory.expected_tokens(alpha, args.gamma)) / (args.gamma * c + r)
+        if ok else None,
+        "identical": summary.get("identical_fraction"), "command": s.command(run_dir)})
+  return rows
+
+
+def _costs(args, setup: setups.Setup, B: int) -> dict[str, Any]:
+  """In-loop, interleaved step costs of the run's target and draft on its first batch."""
+  import jax.numpy as jnp
+
+  from spec_decode import data
+  st = setups.load(setup)
+  cfg = st.config
+  enc = jnp.asarray(data.encoder_batch(list(st.examples[:B]), batch_size=B,
+                                       input_length=cfg.feature_lengths["inputs"]))
+  return costs.pair_costs(st.target, st.target_params, st.draft, st.draft_params, enc,
+                          gammas=(args.gamma,), cache_length=cfg.decode_len + args.gamma + 1,
+                          position=cfg.decode_len // 2, steps=args.loop_steps,
+                          repeats=args.repeats, inner=args.inner)
+
+
+def plot(rows: list[dict], path: str, machine: str, command: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  b = [r["batch_size"] for r in rows]
+  fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4))
+  ax.plot(b, [r["speedup"] for r in rows], "o-", label="measured")
+  ax.plot(b, [r["thm38"] for r in rows], "s--", label="Thm 3.8 (alpha, c at B)")
+  ax.plot(b, [r["cost_model"] for r in rows], "^:", label="cost model (verify at B)")
+  ax.axhline(1.0, color="gray", lw=0.5)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("batch size")
+  ax.set_ylabel("speedup over autoregressive")
+  ax.legend(fontsize=7)
+  ax2.plot(b, [r["c"] for r in rows], "o-", label="c = T_q / T_p")
+  ax2.plot(b, [r["verify_ratio"] for r in rows], "s-", label="T_verify(gamma+1) / T_p")
+  ax2.set_xscale("log", base=2)
+  ax2.set_xlabel("batch size")
+  ax2.legend(fontsize=7)
+  fig.text(0.01, 0.005, f"{command}\n{machine}", fontsize=5, va="bottom", family="monospace")
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.batch_scaling", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--scale", default="demo", choices=setups.SCALES)
+  p.add_argument("--task", default="ende", choices=setups.TASKS)
+  p.add_argument("--draft", default="small", choices=setups.DRAFTS)
+  p.add_argument("--batch_sizes", default="1,4,16,64")
+  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--num_examples", type=int, default=None,
+                 help="examples decoded at every batch size (default: the largest batch)")
+  p.add_argument("--step_timing_repeats", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=10, help="interleaved rounds of step timing")
+  p.add_argument("--inner", type=int, default=3)
+  p.add_argument("--loop_steps", type=int, default=8)
+  p.add_argument("--timing_repeats", type=int, default=None)
+  p.add_argument("--demo_models", default=None)
+  p.add_argument("--checkpoints", default=None, help="paper scale: <task>_target=PATH,"
+                 "<task>_<draft>=PATH")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="extra gin bindings for every run")
+  p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
+  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--progress", action="store_true")
+  p.add_argument("--no_plots", dest="plots", action="store_false")
+  args = p.parse_args(list(argv))
+  args.batch_sizes = _common.parse_ints(args.batch_sizes, "batch_sizes")
+  args.num_examples = args.num_examples or max(args.batch_sizes)
+  if args.gamma < 1:
+    p.error("--gamma must be >= 1")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  meta = _common.new_meta("experiments.batch_scaling", argv, **{
+      k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
+  rows = run(args)
+  _common.finish_meta(meta)
+  x = lambda v: fmt(v, 2, "X")
+  cols = [Column("batch_size", "batch"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
+          Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
+          Column("target_step_ms", "T_p ms", lambda v: fmt(v, 3)),
+          Column("draft_step_ms", "T_q ms", lambda v: fmt(v, 3)),
+          Column("c", "c", lambda v: fmt(v, 3)),
+          Column("verify_ratio", "T_verify/T_p", lambda v: fmt(v, 2)),
+          Column("autoregressive_tokens_per_s", "AR tokens/s", lambda v: fmt(v, 0)),
+          Column("speculative_tokens_per_s", "spec tokens/s", lambda v: fmt(v, 0)),
+          Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
+          Column("cost_model", "cost model", x)]
+  notes = [f"{args.scale} scale, task {args.task}, draft {args.draft}, gamma {args.gamma}, "
+           f"temperature {args.temperature:g}, the same {args.num_examples} examples at every "
+           "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",
+           f"T_p, T_q, c, T_verify/T_p: {args.repeats} interleaved rounds of {args.inner} calls "
+           f"of {args.loop_steps} steps in one jitted loop, at that batch size (medians); "
+           "Thm 3.8 and the cost model use them with the run's alpha. Rows of a batch finish "
+           "at different lengths and a batch runs until its longest row is done, in both "
+           "decoders."]
+  figures = []
+  os.makedirs(args.results_dir, exist_ok=True)
+  if args.plots:
+    figures = [plot(rows, os.path.join(args.results_dir, f"batch_scaling_{args.task}.png"),
+                    _common.machine_line(meta["machine"]), meta["command"])]
+  extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n" for f in figures)
+  paths = _common.write_outputs(args.results_dir, f"batch_scaling_{args.task}",
+                                title=f"Batch scaling ({args.task}, {args.scale} scale)",
+                                columns=cols, rows=rows, meta=meta, notes=notes,
+                                extra_md=extra_md,
+                                extra={"figures": [os.path.basename(f) for f in figures]})
+  print(open(paths["md"], encoding="utf-8").read())
+  return paths
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,345 @@
+r"""Step costs and throughput of one target/draft pair, all measured in one process.
+
+  python -m experiments.benchmark                      # the demo EnDe pair on its task (CPU)
+  python -m experiments.benchmark --target t5_1_1_tiny --draft t5_1_1_tiny \
+      --draft_config '{"num_decoder_layers": 1}' --vocab_size 259 --batch_size 4
+  python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_small \
+      --dtype bfloat16 --batch_size 1 --input_length 512 --decode_len 128   # GPU / TPU
+
+Reports, for the given mesh and batch size (timings after compilation,
+`--repeats` interleaved rounds, median and [25th, 75th] percentiles):
+  * T_p, T_q: one single-token decode step of target and draft (cache filled
+    to decode_len / 2), timed as --loop_steps steps inside one jitted loop so no
+    per-step host dispatch is counted (as in the decoding loops); c = T_q / T_p
+    per round;
+  * T_verify(gamma + 1) / T_p for gamma in --gammas: the target scoring
+    gamma + 1 tokens in one call, relative to one token;
+  * autoregressive and speculative tokens/s over --num_examples inputs (the
+    task's, or random ids), the measured alpha (mean of sum_x min(p, q)), and
+    the speedup Theorem 3.8 predicts from it next to the measured one, plus a
+    cost model that charges the measured verify ratio instead of Thm 3.8's
+    assumption that verifying gamma + 1 tokens costs one step:
+      E[tokens](alpha, gamma) / (gamma c + T_verify(gamma + 1) / T_p);
+  * on GPU/TPU (or with --roofline on): bytes one target step reads / measured
+    device copy bandwidth, the step's memory-roofline time, and its ratio to T_p.
+Random weights are fine for step costs; alpha and the speedup only mean
+something for trained pairs. Writes <results_dir>/benchmark_<name>.{md,csv,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import _common, costs, setups
+from experiments._common import Column, fmt, fmt_spread
+from spec_decode import timing
+
+
+def _model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
+                role: str):
+  from spec_decode.model_specs import ModelSpec
+  from spec_decode.models import t5
+  overrides = json.loads(config) if config else {}
+  if not isinstance(overrides, dict):
+    raise ValueError(f"--{role}_config must be a JSON object, got {config!r}")
+  if text.startswith("demo:"):
+    path = os.path.join(setups.DEMO_DIR, text[len("demo:"):])
+    return ModelSpec(checkpoint=path, dtype=dtype, name=f"demo {text[len('demo:'):]}")
+  if text in t5.PRESETS:
+    if vocab_size:
+      overrides.setdefault("vocab_size", vocab_size)
+    shown = {k: v for k, v in overrides.items() if k != "vocab_size"}
+    return ModelSpec(preset=text, config=overrides, dtype=dtype, seed=seed,
+                     name=f"{text}{' ' + json.dumps(shown) if shown else ''} (random)")
+  if overrides:
+    raise ValueError(f"--{role}_config applies to presets only, not to checkpoint {text!r}")
+  return ModelSpec(checkpoint=text, dtype=dtype)
+
+
+def _inputs(args, vocab_size: int) -> np.ndarray:
+  """[num_examples, input_length] encoder ids: the task's examples or random ids."""
+  if args.task:
+    from spec_decode import data
+    task = data.get_task(args.task)
+    examples = data.load_examples(task, split=args.split, num_examples=args.num_examples,
+                                  feature_lengths={"inputs": args.input_length,
+                                                   "targets": args.decode_len})
+    return np.concatenate([data.encoder_batch([ex], batch_size=1,
+                                              input_length=args.input_length)
+                           for ex in examples])
+  return np.asarray(costs.random_encoder_tokens(args.num_examples, args.input_length, vocab_size,
+                                                seed=args.seed))
+
+
+def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dict[str, Any]:
+  """Autoregressive and speculative decoding of all inputs, batch by batch, interleaved."""
+  from spec_decode import decoding
+  B = args.batch_size
+  batches = [inputs[i:i + B] for i in range(0, len(inputs), B)]
+  batches = [np.concatenate([b, np.repeat(b[-1:], B - len(b), axis=0)]) for b in batches]
+  common = dict(max_decode_len=args.decode_len, rng=jax.random.PRNGKey(args.seed),
+                sampling=decoding.Sampling(temperature=args.temperature),
+                **({"mesh": mesh} if mesh is not None else {}))
+  fns = {
+      "autoregressive": lambda enc, ids: decoding.autoregressive(target, tparams, enc,
+                                                                 row_ids=ids, **common),
+      "speculative": lambda enc, ids: decoding.speculative(target, tparams, draft, dparams, enc,
+                                                           gamma=args.gamma, row_ids=ids,
+                                                           **common)}
+  ids = [jnp.arange(i * B, (i + 1) * B, dtype=jnp.int32) for i in range(len(batches))]
+  encs = [jnp.asarray(b) for b in batches]
+  for f in fns.values():  # compile
+    jax.block_until_ready(f(encs[0], ids[0]))
+  seconds = {name: [] for name in fns}
+  last = {}
+  for _ in range(args.e2e_repeats):
+    for name, f in fns.items():
+      total, outs = 0.0, []
+      for enc, i in zip(encs, ids):
+        t = timing.timed(lambda: f(enc, i))
+        total += t.seconds[0]
+        outs.append(t.result)
+      seconds[name].append(total)
+      last[name] = outs
+  n_rows = len(inputs)
+
+  def real(outs, key: str) -> float:
+    """Sum of a per-row count over the real rows (the last batch may repeat its last row)."""
+    vals = [np.asarray(r.lengths if key == "lengths" else getattr(r.stats, key)) for r in outs]
+    return float(np.concatenate(vals)[:n_rows].sum())
+
+  out = {}
+  for name in fns:
+    toks = real(last[name], "lengths")
+    med = _common.spread(seconds[name])
+    # Loop iterations: a batch runs until its longest row is done.
+    steps = int(sum(np.asarray(r.stats.target_calls).max() for r in last[name]))
+    out[name] = {"seconds": med, "tokens": toks, "iterations": steps,
+                 "seconds_per_iteration": med["median"] / steps if steps else None,
+                 "tokens_per_second": toks / med["median"] if med["median"] > 0 else None}
+  spec = last["speculative"]
+  decisions = real(spec, "decisions")
+  out["alpha"] = real(spec, "min_pq_sum") / decisions if decisions else math.nan
+  out["alpha_observed"] = real(spec, "accepted") / decisions if decisions else math.nan
+  calls = real(spec, "target_calls")
+  out["tokens_per_target_call"] = out["speculative"]["tokens"] / calls if calls else math.nan
+  ar, sp = out["autoregressive"]["tokens_per_second"], out["speculative"]["tokens_per_second"]
+  out["speedup"] = sp / ar if ar and sp else None
+  return out
+
+
+def _roofline(args, target, step, t_p: float) -> dict[str, Any]:
+  nbytes = costs.decode_bytes(target, step)
+  bandwidth = costs.copy_bandwidth(mib=args.copy_mib)
+  out = {"bytes_per_step": nbytes, "copy_bandwidth_bytes_per_s": bandwidth}
+  if nbytes is not None:
+    out["roofline_seconds"] = nbytes / bandwidth
+    out["roofline_fraction"] = out["roofline_seconds"] / t_p
+  return out
+
+
+def run(args) -> dict[str, Any]:
+  from spec_decode import partitioning
+  from spec_decode.model_specs import LoadContext, load
+  mesh = partitioning.make_mesh(args.mesh) if args.mesh else None
+  tspec = _model_spec(args.target, args.target_config, args.dtype, 0, args.vocab_size, "target")
+  dspec = _model_spec(args.draft, args.draft_config, args.dtype, 1, args.vocab_size, "draft")
+  target, tparams = load(tspec, LoadContext("target", mesh=mesh))
+  draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size, mesh=mesh))
+  inputs = _inputs(args, target.vocab_size)
+  enc = jnp.asarray(np.concatenate([inputs, np.repeat(inputs[-1:], args.batch_size, 0)])
+                    [:args.batch_size])
+  pc = costs.pair_costs(target, tparams, draft, dparams, enc, gammas=args.gammas,
+                        cache_length=args.decode_len + max(args.gammas) + 1,
+                        position=args.decode_len // 2, steps=args.loop_steps,
+                        repeats=args.repeats, inner=args.inner, mesh=mesh)
+  c = pc["c"]
+  result: dict[str, Any] = {
+      "target": tspec.to_json(), "draft": dspec.to_json(),
+      "target_params": int(sum(x.size for x in jax.tree.leaves(tparams))),
+      "draft_params": int(sum(x.size for x in jax.tree.leaves(dparams))),
+      "target_step": pc["target_step"], "draft_step": pc["draft_step"], "c": c}
+  e2e = _e2e(args, target, tparams, draft, dparams, inputs, mesh) if args.e2e else None
+  result["e2e"] = e2e
+  alpha = None if e2e is None or math.isnan(e2e["alpha"]) else e2e["alpha"]
+  from spec_decode import theory
+  rows = []
+  for g in args.gammas:
+    r = pc["verify_ratio"][g]
+    row = {"gamma": g, "verify_seconds": pc["verify"][g], "verify_ratio": r}
+    if alpha is not None:
+      row["thm38"] = float(theory.walltime_improvement(alpha, g, c["median"]))
+      row["cost_model"] = float(theory.expected_tokens(alpha, g)) / (g * c["median"]
+                                                                     + r["median"])
+    rows.append(row)
+  result["gammas"] = rows
+  if e2e is not None:
+    # What the loops spend beyond the decode steps they make (encoding, sampling, control).
+    ar, sp = e2e["autoregressive"], e2e["speculative"]
+    verify = next((r["verify_seconds"]["median"] for r in rows if r["gamma"] == args.gamma), None)
+    e2e["ar_overhead_per_iteration"] = ar["seconds_per_iteration"] - result["target_step"][
+        "median"] if ar["seconds_per_iteration"] else None
+    e2e["spec_overhead_per_iteration"] = (
+        sp["seconds_per_iteration"] - args.gamma * result["draft_step"]["median"] - verify
+        if sp["seconds_per_iteration"] and verify is not None else None)
+  roofline = args.roofline == "on" or (args.roofline == "auto" and
+                                       jax.default_backend() in ("gpu", "tpu"))
+  result["roofline"] = _roofline(args, target, pc["target_fn"],
+                                 result["target_step"]["median"]) if roofline else None
+  return result
+
+
+def _ms(seconds) -> str:
+  return "n/a" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _iteration(args, res) -> float | None:
+  verify = next((r["verify_seconds"]["median"] for r in res["gammas"]
+                 if r["gamma"] == args.gamma), None)
+  return None if verify is None else args.gamma * res["draft_step"]["median"] + verify
+
+
+def _summary_md(args, res: dict[str, Any]) -> str:
+  ms = lambda s: fmt_spread(s, scale=1e3)
+  lines = ["## Summary", "",
+           f"- target: {res['target'].get('name') or res['target']}, "
+           f"{res['target_params']:,} parameters",
+           f"- draft: {res['draft'].get('name') or res['draft']}, "
+           f"{res['draft_params']:,} parameters",
+           f"- T_p (target step): {ms(res['target_step'])} ms",
+           f"- T_q (draft step): {ms(res['draft_step'])} ms",
+           f"- c = T_q / T_p: {fmt_spread(res['c'])}"]
+  e = res["e2e"]
+  if e is not None:
+    lines += [
+        f"- autoregressive: {fmt(e['autoregressive']['tokens_per_second'], 1)} tokens/s "
+        f"({fmt(e['autoregressive']['tokens'], 0)} tokens, "
+        f"{fmt_spread(e['autoregressive']['seconds'])} s)",
+        f"- speculative (gamma {args.gamma}): {fmt(e['speculative']['tokens_per_second'], 1)} "
+        f"tokens/s ({fmt(e['speculative']['tokens'], 0)} tokens, "
+        f"{fmt_spread(e['speculative']['seconds'])} s)",
+        f"- measured alpha {fmt(e['alpha'])} (observed acceptance {fmt(e['alpha_observed'])}), "
+        f"{fmt(e['tokens_per_target_call'], 2)} tokens per target call",
+        f"- loop overhead beyond the decode steps (encoding, sampling, control): "
+        f"autoregressive {_ms(e['ar_overhead_per_iteration'])} ms per token step "
+        f"(T_p {_ms(res['target_step']['median'])} ms); speculative "
+        f"{_ms(e['spec_overhead_per_iteration'])} ms per iteration "
+        f"(gamma T_q + T_verify = {_ms(_iteration(args, res))} ms)",
+        f"- speedup: measured {fmt(e['speedup'], 2, 'X')}; Thm 3.8 at the measured alpha and c: "
+        + next((fmt(r.get('thm38'), 2, 'X') + "; cost model: " + fmt(r.get('cost_model'), 2, 'X')
+                for r in res["gammas"] if r["gamma"] == args.gamma),
+               "n/a (gamma not among --gammas)")]
+  rl = res["roofline"]
+  if rl is None:
+    lines.append(f"- memory roofline: not measured on {jax.default_backend()} "
+                 "(measured by default on GPU/TPU; --roofline on forces it)")
+  else:
+    gb = rl["copy_bandwidth_bytes_per_s"] / 1e9
+    if rl["bytes_per_step"] is None:
+      lines.append(f"- memory roofline: copy bandwidth {gb:.1f} GB/s; bytes per step unknown "
+                   "for this model kind")
+    else:
+      lines.append(f"- memory roofline: {rl['bytes_per_step'] / 1e6:.2f} MB read per target step "
+                   f"/ {gb:.1f} GB/s copy bandwidth = {rl['roofline_seconds'] * 1e3:.4f} ms, "
+                   f"{rl['roofline_fraction']:.3f} of T_p")
+  return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default=None, help="T5 preset (random weights), checkpoint path, or "
+                 "demo:NAME; default: the demo EnDe pair on synthetic_ende")
+  p.add_argument("--draft", default=None)
+  p.add_argument("--target_config", default=None, help="JSON T5Config overrides of a preset")
+  p.add_argument("--draft_config", default=None)
+  p.add_argument("--vocab_size", type=int, default=None, help="vocab_size of both presets")
+  p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default float32)")
+  p.add_argument("--task", default=None, help="take inputs (and alpha) from this task")
+  p.add_argument("--split", default="test")
+  p.add_argument("--mesh", default=None, help="e.g. data=1,model=4")
+  p.add_argument("--batch_size", type=int, default=1)
+  p.add_argument("--input_length", type=int, default=None)
+  p.add_argument("--decode_len", type=int, default=None)
+  p.add_argument("--gammas", default="1-10")
+  p.add_argument("--gamma", type=int, default=None, help="gamma of the end-to-end run "
+                 "(default: 4 or the largest of --gammas if smaller)")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
+  p.add_argument("--inner", type=int, default=3, help="calls per round (median)")
+  p.add_argument("--loop_steps", type=int, default=8,
+                 help="decode steps per timed call, in one jitted loop (see costs.py)")
+  p.add_argument("--num_examples", type=int, default=None,
+                 help="end-to-end inputs (default max(8, batch_size))")
+  p.add_argument("--e2e_repeats", type=int, default=3)
+  p.add_argument("--no_e2e", dest="e2e", action="store_false")
+  p.add_argument("--roofline", default="auto", choices=("auto", "on", "off"))
+  p.add_argument("--copy_mib", type=int, default=512)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--name", default=None, help="output stem benchmark_<name> (default from models)")
+  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  args = p.parse_args(list(argv))
+  if args.target is None:
+    if args.draft is not None:
+      p.error("--draft needs --target")
+    task, inputs, targets = setups.DEMO_TASKS["ende"]
+    args.target, args.draft = "demo:ende_target", "demo:ende_small"
+    args.task = args.task or task
+    args.input_length = args.input_length or inputs
+    args.decode_len = args.decode_len or targets
+    args.name = args.name or "demo_ende"
+  if args.draft is None:
+    p.error("--target needs --draft")
+  args.input_length = args.input_length or 64
+  args.decode_len = args.decode_len or 64
+  args.gammas = _common.parse_ints(args.gammas, "gammas")
+  args.gamma = args.gamma or min(4, max(args.gammas))
+  args.num_examples = args.num_examples or max(8, args.batch_size)
+  for name in ("batch_size", "repeats", "inner", "loop_steps", "num_examples", "e2e_repeats",
+               "copy_mib"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1")
+  if args.name is None:
+    base = lambda s: os.path.basename(os.path.normpath(s.replace("demo:", "")))
+    args.name = f"{base(args.target)}_{base(args.draft)}_b{args.batch_size}"
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  meta = _common.new_meta("experiments.benchmark", argv, **{
+      k: v for k, v in vars(args).items() if k != "results_dir"})
+  res = run(args)
+  _common.finish_meta(meta)
+  cols = [Column("gamma", "gamma"),
+          Column("verify_seconds", "T_verify(gamma+1) ms", lambda s: fmt_spread(s, scale=1e3)),
+          Column("verify_ratio", "T_verify(gamma+1) / T_p", fmt_spread),
+          Column("thm38", "Thm 3.8 speedup", lambda v: fmt(v, 2, "X")),
+          Column("cost_model", "cost-model speedup", lambda v: fmt(v, 2, "X"))]
+  notes = [f"batch {args.batch_size}, mesh {args.mesh or 'none (one device)'}, inputs "
+           f"{args.input_length} tokens ({args.task or 'random ids'}), cache of "
+           f"{args.decode_len + max(args.gammas) + 1} slots filled to {args.decode_len // 2}; "
+           f"{args.repeats} interleaved rounds of {args.inner} calls of {args.loop_steps} decode "
+           "steps in one jitted loop (per-step cost inside a decoding loop, no per-step "
+           "dispatch); cells are median [25th, 75th percentile] over rounds.",
+           "Speedup columns use the measured alpha of the end-to-end run and the median c."]
+  paths = _common.write_outputs(args.results_dir, f"benchmark_{args.name}",
+                                title=f"Benchmark: {args.target} / {args.draft}", columns=cols,
+                                rows=res["gammas"], meta=meta, notes=notes,
+                                extra_md=_summary_md(args, res), extra={"summary": res})
+  print(open(paths["md"], encoding="utf-8").read())
+  return paths
+
+
+if __name__ == "__main__":
+  main()

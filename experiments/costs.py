@@ -1,0 +1,190 @@
+"""Step costs measured in one process: T_p, T_q, c, verify cost, and the memory roofline.
+
+`decode_step(model, params, enc, num_tokens=T, steps=k, ...)` builds a jitted
+call running k decodes of T tokens per row in a `lax.fori_loop` against a
+cache filled to `position` (rewound after each decode, as the decoding loops
+do; each decode is fed the argmax of the previous one, so none can be hoisted
+or skipped), optionally laid out on a mesh the way `decoding.speculative` lays
+out target and draft. Timing k decodes in one call and dividing by k is the
+per-step cost *inside* a jitted decoding loop: one host dispatch per k steps,
+where timing single calls would add a dispatch to every step (for small models
+on a CPU that overhead is as large as the step itself, and it would pull c
+towards 1).
+`interleaved(fns, repeats=R)` compiles every function, then runs R rounds,
+each timing every function once (median of `inner` blocked calls), so slow
+drifts of the machine's load hit all functions alike and per-round ratios
+(c = T_q / T_p of the same round) stay trustworthy on a busy host.
+
+`decode_bytes` counts what one decode call reads from memory (decoder
+weights, the logits projection, the whole self-attention cache, which this
+implementation reads up to its full length under a mask, and the
+cross-attention cache); `copy_bandwidth` measures device memory bandwidth
+with a jitted elementwise pass (read + write) over a large array. Their ratio
+gives the memory-roofline time of a step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments._common import spread
+from spec_decode import partitioning, timing
+from spec_decode.models import t5
+
+
+def decode_step(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
+                position: int | None = None, steps: int = 1, mesh=None,
+                rules=None) -> Callable[[], jax.Array]:
+  """A zero-argument function running `steps` decodes of num_tokens tokens per row (one jit).
+
+  With a mesh, params are laid out by `rules` (default T5X's), the batch over
+  `data`, and the cache by its logical axes. Returns the call; `.steps` is
+  `steps` (`interleaved` divides by it) and `.state` holds params and the
+  current cache (for `decode_bytes`).
+  """
+  if not 1 <= num_tokens <= cache_length:
+    raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
+  if not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+  position = cache_length // 2 if position is None else position
+  position = max(0, min(position, cache_length - num_tokens))
+  if mesh is not None:
+    rules = partitioning.standard_logical_axis_rules() if rules is None else rules
+    params = partitioning.put(params, partitioning.param_shardings(model, mesh, rules,
+                                                                   params=params))
+    encoder_tokens = partitioning.put(
+        encoder_tokens, partitioning.batch_sharding(mesh, encoder_tokens.shape, rules))
+  cache = model.init_cache(params, model.encode(params, encoder_tokens), cache_length)
+  cache = cache.rewind(jnp.full(cache.lengths.shape, position, jnp.int32))
+  if mesh is not None:
+    axes = partitioning.cache_axes(cache)
+    if axes is not None:
+      cache = partitioning.put(cache, partitioning.tree_shardings(
+          axes, cache, mesh, rules, partitioning.model_units(model)))
+  tokens = jnp.full((encoder_tokens.shape[0], num_tokens), 2, jnp.int32)
+  if mesh is not None:
+    tokens = partitioning.put(tokens, partitioning.batch_sharding(mesh, tokens.shape, rules))
+  step = _jitted_steps(model, steps, mesh, rules)
+  state = {"cache": cache, "params": params, "tokens": tokens}
+
+  def call():
+    logits, state["cache"] = step(params, state["cache"], tokens)
+    return logits
+
+  call.state = state
+  call.steps = steps
+  return call
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_steps(model, steps: int, mesh, rules):
+  """One jitted k-step decode loop per (model, k, layout): equal shapes share a compile."""
+
+  def _run(params, cache, tokens):
+    lengths = cache.lengths
+
+    def body(_, carry):
+      cache, tokens, _ = carry
+      logits, cache = model.decode(params, cache, tokens)
+      cache = partitioning.constrain_cache(cache, model, mesh, rules).rewind(lengths)
+      return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+    logits = jnp.zeros(tokens.shape + (model.vocab_size,), jnp.float32)
+    cache, _, logits = jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))
+    return logits, cache
+
+  return jax.jit(_run, donate_argnums=1)
+
+
+def interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
+                inner: int = 3) -> dict[str, list[float]]:
+  """Seconds per decode step of each fn, one value per round (median of `inner` calls).
+
+  A fn made by `decode_step(steps=k)` runs k decodes per call; its time is divided by k.
+  """
+  if repeats < 1 or inner < 1 or warmup < 1:
+    raise ValueError(f"need repeats, inner and warmup >= 1, got {repeats}, {inner}, {warmup}")
+  for f in fns.values():  # compile and warm up everything before any timing
+    timing.timed(f, repeats=1, warmup=warmup - 1)
+  out: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, f in fns.items():
+      out[name].append(timing.timed(f, repeats=inner).median / getattr(f, "steps", 1))
+  return out
+
+
+def pair_costs(target, target_params, draft, draft_params, encoder_tokens, *,
+               gammas, cache_length: int, position: int, steps: int, repeats: int,
+               inner: int, mesh=None) -> dict[str, Any]:
+  """T_p, T_q, c and T_verify(gamma+1) / T_p of a pair, interleaved (`common.spread` dicts).
+
+  With a mesh, the target is laid out by T5X's rules and the draft data-parallel
+  (replicated weights), as `decoding.speculative` does. Returns target_step,
+  draft_step, c, verify {gamma: seconds}, verify_ratio {gamma: ratio}, and the
+  target's step function under "target_fn" (for `decode_bytes`).
+  """
+  rules = partitioning.standard_logical_axis_rules() if mesh is not None else None
+  draft_rules = partitioning.data_parallel_rules(rules) if mesh is not None else None
+  kw = dict(cache_length=cache_length, position=position, steps=steps, mesh=mesh)
+  fns = {"target": decode_step(target, target_params, encoder_tokens, num_tokens=1,
+                               rules=rules, **kw),
+         "draft": decode_step(draft, draft_params, encoder_tokens, num_tokens=1,
+                              rules=draft_rules, **kw)}
+  for g in gammas:
+    fns[f"verify_{g}"] = decode_step(target, target_params, encoder_tokens, num_tokens=g + 1,
+                                     rules=rules, **kw)
+  t = interleaved(fns, repeats=repeats, inner=inner)
+  return {"target_step": spread(t["target"]), "draft_step": spread(t["draft"]),
+          "c": spread(ratios(t["draft"], t["target"])),
+          "verify": {g: spread(t[f"verify_{g}"]) for g in gammas},
+          "verify_ratio": {g: spread(ratios(t[f"verify_{g}"], t["target"])) for g in gammas},
+          "target_fn": fns["target"]}
+
+
+def ratios(num: list[float], den: list[float]) -> list[float]:
+  """Per-round ratios num[r] / den[r]."""
+  return [a / b for a, b in zip(num, den)]
+
+
+def _bytes(tree) -> int:
+  """Bytes one device holds of a tree of placed arrays (the largest shard per device)."""
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "sharding")]
+  return partitioning.shard_bytes(leaves, [x.sharding for x in leaves])
+
+
+def decode_bytes(model, step: Callable[[], Any]) -> int | None:
+  """Bytes one T5 decode call reads per device; None for other model kinds.
+
+  Decoder weights (all of them: each layer is applied to the new tokens), the
+  output projection (the shared embedding when `logits_via_embedding`; the
+  embedding lookup itself touches only B rows and is left out), and the
+  self- and cross-attention K/V caches in full.
+  """
+  if not isinstance(model, t5.T5):
+    return None
+  params, cache = step.state["params"], step.state["cache"]
+  total = _bytes(params["decoder"])
+  if model.config.logits_via_embedding:
+    total += _bytes(params["token_embedder"])
+  total += _bytes((cache.self_k, cache.self_v, cache.cross_k, cache.cross_v))
+  return int(total)
+
+
+def copy_bandwidth(*, mib: int = 256, repeats: int = 5) -> float:
+  """Device memory bandwidth in bytes/s: a jitted x + 1 over `mib` MiB reads and writes it."""
+  n = mib * (1 << 20) // 4
+  x = jax.device_put(jnp.zeros((n,), jnp.float32), jax.devices()[0])
+  f = jax.jit(lambda x: x + 1.0)
+  seconds = timing.timed(lambda: f(x), repeats=repeats, warmup=1).median
+  return 2.0 * n * 4 / seconds
+
+
+def random_encoder_tokens(batch: int, length: int, vocab_size: int, seed: int = 0) -> jax.Array:
+  """[batch, length] ids in [2, vocab_size) (no PAD, no EOS): a stand-in input."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(2, vocab_size, size=(batch, length)), jnp.int32)

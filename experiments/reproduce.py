@@ -1,0 +1,371 @@
+r"""Reproduces the paper's Tables 1-5 and writes them next to the paper's numbers.
+
+  python -m experiments.reproduce --table 2                 # demo scale (CPU, demo_models/)
+  python -m experiments.reproduce --table 1,2,3,4,5 --scale tiny   # seconds; CI smoke run
+  python -m experiments.reproduce --table 2,4 --scale paper \
+      --checkpoints ende_target=gs://B/xxl_ende/checkpoint_N,ende_small=gs://B/small_ende/... \
+      --gin_bindings "ExperimentConfig.mesh = 'data=1,model=8'"
+
+Tables:
+  1  Theorem 3.8 / 3.11 at c = c_hat = 0 for the paper's (alpha, gamma) pairs,
+     plus a Monte Carlo simulation of i.i.d. acceptance; no models.
+  2  speedup and alpha of T5 drafts for the T5 target, per task/temperature/gamma.
+  3  alpha of unigram, bigram and T5 drafts at t = 0 and t = 1 (speculative runs
+     only, gamma as in the paper's configs).
+  4  Table 2's runs with the measured c and Theorem 3.8's prediction.
+  5  alpha under lenience l = 1, 0.5, 0.3, 0.1 (EnDe, t = 1).
+Every model row is one `spec_decode.main` experiment (see experiments/setups.py
+for what each scale runs); rows shared between tables run once. Run
+directories go to --runs_dir (resumable: a rerun reuses finished examples), the
+tables to --results_dir as table_N.md / .csv / .json, each with the command,
+machine and date, and the exact `spec_decode.main` command of every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import traceback
+from typing import Any, Sequence
+
+import numpy as np
+
+from experiments import _common, paper_tables, setups
+from experiments._common import Column, fmt
+
+TABLES = (1, 2, 3, 4, 5)
+DEFAULT_RUNS_DIR = "/tmp/spec_decode_reproduce"
+DRAFT_LABELS = {"small": "T5-small", "base": "T5-base", "large": "T5-large",
+                "unigram": "unigram", "bigram": "bigram"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One experiment run: a name for its directory and its gin setup."""
+  name: str
+  setup: setups.Setup
+
+  @property
+  def key(self) -> str:
+    # NUM_EXAMPLES is left out: a rerun with more examples extends the same run.
+    b = [x for x in self.setup.bindings if not x.startswith("NUM_EXAMPLES")]
+    text = json.dumps([self.setup.gin_files, b])
+    return f"{self.name}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A table row: its id (for --rows), fixed cells, and the jobs behind its measured cells."""
+  id: str
+  cells: dict
+  jobs: dict
+
+
+def _setup(args, task: str, draft: str, *, temperature: float, **row) -> setups.Setup:
+  s = setups.experiment_setup(args.scale, task, draft, temperature=temperature,
+                              demo_dir=args.demo_models,
+                              checkpoints=setups.parse_checkpoints(args.checkpoints))
+  extra = setups.row_bindings(temperature=float(temperature), num_examples=args.num_examples,
+                              step_timing_repeats=args.step_timing_repeats,
+                              timing_repeats=args.timing_repeats, **row)
+  return s.with_bindings(*extra, *args.gin_bindings)
+
+
+def _job(args, task, draft, temperature, gamma, *, lenience=None, baseline=True) -> Job:
+  name = f"{task}_{draft}_t{temperature:g}_g{gamma}" + \
+      (f"_l{lenience:g}" if lenience is not None else "") + ("" if baseline else "_alpha")
+  examples = args.num_examples
+  if examples is None and args.scale == "demo":
+    examples = 50 if baseline else 100
+  s = _setup(dataclasses.replace(args, num_examples=examples), task, draft,
+             temperature=temperature, gamma=gamma, lenience=lenience,
+             run_baseline=None if baseline else False)
+  return Job(name, s)
+
+
+def plan(table: int, args) -> list[Row]:
+  """The rows of `table` and the jobs their measured cells come from."""
+  rows = []
+  if table == 1:
+    for alpha, gamma, ops, speed in paper_tables.TABLE1:
+      rows.append(Row(f"{alpha:g}_{gamma}", dict(alpha=alpha, gamma=gamma, paper_operations=ops,
+                                                 paper_speed=speed), {}))
+  elif table in (2, 4):
+    for task, draft, t, g, alpha, c, pred, speed in paper_tables.TABLE4:
+      cells = dict(task=setups.TASK_LABELS[task], draft=DRAFT_LABELS[draft], temp=t, gamma=g,
+                   paper_alpha=alpha, paper_speed=speed, paper_c=c, paper_predicted=pred)
+      rows.append(Row(f"{task}_{draft}_t{t}", cells, {"run": _job(args, task, draft, t, g)}))
+  elif table == 3:
+    for target, task, draft, a0, a1 in paper_tables.TABLE3:
+      cells = dict(target=target, draft=DRAFT_LABELS.get(draft, draft), paper_t0=a0, paper_t1=a1)
+      jobs = {}
+      if task is not None:
+        jobs = {f"t{t}": _job(args, task, draft, t, paper_tables.paper_gamma(task, draft, t),
+                              baseline=False) for t in (0, 1)}
+      rows.append(Row(f"{task or target}_{draft}", cells, jobs))
+  elif table == 5:
+    for draft, alphas in paper_tables.TABLE5:
+      cells = {"draft": DRAFT_LABELS[draft]}
+      jobs = {}
+      for l, a in zip(paper_tables.LENIENCES, alphas):
+        cells[f"paper_l{l:g}"] = a
+        jobs[f"l{l:g}"] = _job(args, "ende", draft, 1, paper_tables.paper_gamma("ende", draft, 1),
+                               lenience=None if l == 1.0 else l, baseline=False)
+      rows.append(Row(draft, cells, jobs))
+  else:
+    raise ValueError(f"--table must be among {TABLES}, got {table}")
+  return rows
+
+
+# ------------------------------------------------------------------ running
+def run_jobs(jobs: dict[str, Job], args) -> dict[str, dict[str, Any]]:
+  """Runs each distinct job once: {job key: {'summary', 'dir', 'command'} or {'error'}}."""
+  out = {}
+  for n, (key, job) in enumerate(sorted(jobs.items()), 1):
+    run_dir = os.path.join(args.runs_dir, args.scale, key)
+    entry: dict[str, Any] = {"dir": run_dir, "command": job.setup.command(run_dir)}
+    if job.setup.missing:
+      entry["error"] = "; ".join(job.setup.missing)
+    else:
+      print(f"[{n}/{len(jobs)}] {job.name} -> {run_dir}", flush=True)
+      try:
+        entry["summary"] = setups.run(job.setup, run_dir, show_progress=args.progress)
+      except Exception as e:  # noqa: BLE001 - reported in the table; --fail_fast re-raises
+        if args.fail_fast:
+          raise
+        traceback.print_exc()
+        entry["error"] = f"{type(e).__name__}: {e}"
+    out[key] = entry
+  return out
+
+
+# ------------------------------------------------------------------ tables
+def _simulate(alpha: float, gamma: int, steps: int = 200_000, seed: int = 0) -> float:
+  """Mean tokens per step with i.i.d. Bernoulli(alpha) acceptances (Monte Carlo)."""
+  rng = np.random.default_rng(seed)
+  accept = rng.random((steps, gamma)) < alpha
+  return float(np.mean(np.cumprod(accept, axis=1).sum(axis=1) + 1))
+
+
+def _measured(entry: dict | None, key: str):
+  if entry is None or "summary" not in entry:
+    return None
+  value = entry["summary"]
+  for part in key.split("."):
+    value = value.get(part) if isinstance(value, dict) else None
+  return value
+
+
+def _note(row: Row, results: dict) -> str:
+  notes = []
+  for cell, job in row.jobs.items():
+    entry = results.get(job.key)
+    if entry is None:
+      notes.append(f"{cell}: not run (--rows)")
+    elif "error" in entry:
+      notes.append(f"{cell}: {entry['error']}")
+  return "; ".join(dict.fromkeys(notes)) if notes else ""
+
+
+def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], list[dict], list]:
+  """Columns, row dicts and notes of `table` from the rows' job results."""
+  from spec_decode import theory
+  out, notes = [], []
+  get = lambda row, cell, key: _measured(results.get(row.jobs[cell].key), key) \
+      if cell in row.jobs else None
+  x = lambda v: fmt(v, 2, "X")
+  a2 = lambda v: fmt(v, 2)
+  if table == 1:
+    cols = [Column("alpha", "alpha", a2), Column("gamma", "gamma"),
+            Column("paper_operations", "operations (paper)", x),
+            Column("operations", "operations (Thm 3.11)", x),
+            Column("sim_operations", "operations (simulated)", x),
+            Column("paper_speed", "speed (paper)", x),
+            Column("speed", "speed (Thm 3.8)", x), Column("sim_speed", "speed (simulated)", x)]
+    for row in rows:
+      a, g = row.cells["alpha"], row.cells["gamma"]
+      tokens = _simulate(a, g)
+      out.append(dict(row.cells, operations=float(theory.operations_factor(a, g, 0.0)),
+                      speed=float(theory.walltime_improvement(a, g, 0.0)),
+                      sim_speed=tokens, sim_operations=(g + 1) / tokens))
+    notes = ["c = c_hat = 0. Theorems evaluated with spec_decode.theory; 'simulated' counts "
+             "tokens per target call over 200,000 simulated steps with i.i.d. "
+             "Bernoulli(alpha) acceptances (seed 0): speed = E[tokens per call], operations = "
+             "(gamma + 1) / E[tokens per call]."]
+    return cols, out, notes
+  if table in (2, 4):
+    cols = [Column("task", "task"), Column("draft", "draft (paper)"),
+            Column("target_ours", "target / draft (ours)"), Column("temp", "temp"),
+            Column("gamma", "gamma"), Column("paper_alpha", "alpha (paper)", a2),
+            Column("alpha", "alpha (ours)", a2)]
+    if table == 4:
+      cols += [Column("paper_c", "c (paper)", a2), Column("c", "c (ours)", lambda v: fmt(v, 3)),
+               Column("paper_predicted", "predicted (paper)", lambda v: fmt(v, 1, "X")),
+               Column("predicted", "predicted (ours)", x),
+               Column("verify_ratio", "T_verify/T_p (ours)", a2),
+               Column("cost_model", "cost model (ours)", x)]
+    cols += [Column("paper_speed", "speed (paper)", lambda v: fmt(v, 1, "X")),
+             Column("speed", "speed (ours)", x)]
+    if table == 2:
+      cols += [Column("identical", "= baseline", lambda v: fmt(v, 2)),
+               Column("tokens_per_call", "tokens/call", a2)]
+    cols += [Column("examples", "examples"), Column("note", "note")]
+    for row in rows:
+      labels = [get(row, "run", f"experiment.{r}.name") for r in ("target", "draft")]
+      alpha, c, r = (get(row, "run", k) for k in ("alpha", "timing.c", "timing.verify_ratio"))
+      cost = None
+      if None not in (alpha, c, r) and not np.isnan(alpha):
+        g = row.cells["gamma"]
+        cost = float(theory.expected_tokens(alpha, g)) / (g * c + r)
+      out.append(dict(row.cells, alpha=get(row, "run", "alpha"), cost_model=cost,
+                      alpha_observed=get(row, "run", "alpha_observed"),
+                      c=get(row, "run", "timing.c"), predicted=get(row, "run", "speedup_predicted"),
+                      speed=get(row, "run", "speedup_measured"),
+                      identical=get(row, "run", "identical_fraction"),
+                      tokens_per_call=get(row, "run", "tokens_per_target_call"),
+                      verify_ratio=get(row, "run", "timing.verify_ratio"),
+                      examples=get(row, "run", "completed"),
+                      target_ours=" / ".join(l for l in labels if l) or None,
+                      note=_note(row, results)))
+    notes = ["alpha (ours) = mean over decided draft positions of sum_x min(p, q) (the paper's "
+             "definition, on the speculative output, which is distributed as the target's); "
+             "speed = autoregressive seconds / speculative seconds on the same examples, "
+             "batch as configured, both timed after compilation in one process."]
+    if table == 4:
+      notes.append("c (ours) = median single-token decode time of draft / target on one batch, "
+                   "measured in the same run (`timing.step_time`: one dispatch per step); "
+                   "predicted = Thm 3.8 at the measured alpha and c; cost model = "
+                   "E[tokens](alpha, gamma) / (gamma c + T_verify(gamma+1) / T_p), Thm 3.8 with "
+                   "the measured cost of the target's (gamma+1)-token verify call instead of "
+                   "one step.")
+    if table == 2:
+      notes.append("'= baseline': fraction of examples whose speculative output equals the "
+                   "autoregressive one token for token (1.00 expected at temp 0; at temp 1 both "
+                   "sample with the same keys but consume them differently).")
+    return cols, out, notes
+  if table == 3:
+    cols = [Column("target", "target (paper)"), Column("draft", "draft (paper)"),
+            Column("ours", "target / draft (ours)"), Column("paper_t0", "t=0 (paper)", a2),
+            Column("t0", "t=0 (ours)", a2), Column("paper_t1", "t=1 (paper)", a2),
+            Column("t1", "t=1 (ours)", a2), Column("note", "note")]
+    for row in rows:
+      if not row.jobs:
+        out.append(dict(row.cells, note="not reproduced: no such models in this project"))
+        continue
+      labels = [get(row, "t0", f"experiment.{r}.name") for r in ("target", "draft")]
+      out.append(dict(row.cells, t0=get(row, "t0", "alpha"), t1=get(row, "t1", "alpha"),
+                      ours=" / ".join(l for l in labels if l) or None, note=_note(row, results)))
+    notes = ["alpha = mean of sum_x min(p, q) over the positions speculative decoding decided "
+             "(speculative runs only; gamma as in the paper's configs, 3 for n-grams)."]
+    return cols, out, notes
+  cols = [Column("draft", "draft (paper)")]
+  for l in paper_tables.LENIENCES:
+    cols += [Column(f"paper_l{l:g}", f"l={l:g} (paper)", a2), Column(f"l{l:g}", f"l={l:g} (ours)",
+                                                                     a2)]
+  cols.append(Column("note", "note"))
+  for row in rows:
+    out.append(dict(row.cells, **{cell: get(row, cell, "alpha") for cell in row.jobs},
+                    note=_note(row, results)))
+  notes = ["EnDe, temperature 1. alpha = mean of sum_x min(p(x) / l, q(x)) (the lenient "
+           "acceptance probability, paper appendix A.5) over decided positions."]
+  return cols, out, notes
+
+
+def _runs_md(rows: list[Row], results: dict) -> str:
+  lines, seen = ["## Runs", ""], set()
+  for row in rows:
+    for cell, job in row.jobs.items():
+      entry = results.get(job.key)
+      if entry is None or job.key in seen:
+        continue
+      seen.add(job.key)
+      lines.append(f"- `{row.id}` {cell}: `{entry['command']}`")
+  return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--table", required=True, help="table numbers, e.g. 2 or 1,2,3,4,5 or all")
+  p.add_argument("--scale", default="demo", choices=setups.SCALES)
+  p.add_argument("--rows", default=None, help="only these row ids (e.g. ende_small_t0); the "
+                 "other rows are listed as not run")
+  p.add_argument("--num_examples", type=int, default=None,
+                 help="examples per run (default: tiny 2, demo 50 timed / 100 alpha-only, "
+                 "paper: the config's)")
+  p.add_argument("--step_timing_repeats", type=int, default=None)
+  p.add_argument("--timing_repeats", type=int, default=None)
+  p.add_argument("--checkpoints", default=None,
+                 help="paper scale: NAME=PATH,... with names <task>_target, <task>_<draft>")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="extra gin bindings for every run, e.g. \"ExperimentConfig.mesh = "
+                 "'data=1,model=8'\"")
+  p.add_argument("--demo_models", default=None, help=f"demo model dir (default {setups.DEMO_DIR})")
+  p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
+  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--progress", action="store_true", help="progress bars per run")
+  p.add_argument("--fail_fast", action="store_true", help="raise on the first failing run")
+  args = p.parse_args(list(argv))
+  text = args.table.strip().lower()
+  args.tables = TABLES if text == "all" else _common.parse_ints(text, "table")
+  if any(t not in TABLES for t in args.tables):
+    p.error(f"--table must be among {TABLES} (or 'all'), got {args.table!r}")
+  args.row_filter = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
+  return args
+
+
+@dataclasses.dataclass(frozen=True)
+class _Args:
+  """The options `plan` reads (a frozen copy of the parsed flags)."""
+  scale: str
+  demo_models: str | None
+  checkpoints: str | None
+  num_examples: int | None
+  step_timing_repeats: int | None
+  timing_repeats: int | None
+  gin_bindings: tuple[str, ...]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
+  """Runs the requested tables; returns {table: {'md', 'csv', 'json': path}}."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  meta = _common.new_meta("experiments.reproduce", argv, scale=args.scale,
+                          num_examples=args.num_examples)
+  pargs = _Args(args.scale, args.demo_models, args.checkpoints, args.num_examples,
+                args.step_timing_repeats, args.timing_repeats, tuple(args.gin_bindings))
+  plans = {t: plan(t, pargs) for t in args.tables}
+  unknown = (args.row_filter or set()) - {r.id for rows in plans.values() for r in rows}
+  if unknown:
+    raise ValueError(f"--rows names unknown rows {sorted(unknown)}")
+  jobs = {job.key: job for rows in plans.values() for row in rows for job in row.jobs.values()
+          if args.row_filter is None or row.id in args.row_filter}
+  results = run_jobs(jobs, args)
+  _common.finish_meta(meta)
+  paths = {}
+  for t, rows in plans.items():
+    cols, out, notes = render(t, rows, results)
+    notes = [f"Scale: {args.scale} ({_SCALE_NOTES[args.scale]})."] + notes
+    paths[t] = _common.write_outputs(
+        args.results_dir, f"table_{t}", title=f"Table {t}: paper vs this reproduction",
+        columns=cols, rows=out, meta=meta, notes=notes, extra_md=_runs_md(rows, results))
+    print(f"table {t} -> {paths[t]['md']}")
+  return paths
+
+
+_SCALE_NOTES = {
+    "tiny": "random tiny T5 models on the offline toy_reverse task; a pipeline check, the "
+            "numbers mean nothing",
+    "demo": "the demo models trained on CPU (demo_models/, configs/demo/) on the synthetic "
+            "EnDe / CNNDM tasks, standing in for T5-XXL and its drafts",
+    "paper": "T5.1.1 checkpoints on WMT EnDe / CNN-DM through configs/paper/",
+}
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,218 @@
+"""The gin configuration of one experiment at each scale: tiny, demo or paper.
+
+An experiment is (task, draft) plus row settings (gamma, temperature, ...).
+`experiment_setup` turns it into gin files and bindings for
+`spec_decode.main`, so every row of every table is a run of the one
+experiment runner (`spec_decode.experiment.run_experiment`), reproducible
+with the command `Setup.command` prints:
+
+  tiny   random T5 models on the offline 'toy_reverse' task (both 'ende' and
+         'cnndm' map to it): seconds per run, for CI and smoke tests; the
+         numbers mean nothing.
+  demo   the trained demo models (demo_models/, see configs/demo/) on the
+         synthetic_ende / synthetic_cnndm tasks; CPU-sized.
+  paper  configs/paper/<task>_<draft>_t<T>.gin: T5.1.1 checkpoints on WMT EnDe
+         and CNN/DM; the checkpoints come from `checkpoints`, keyed
+         '<task>_target' and '<task>_<draft>' (e.g. ende_target, ende_small).
+
+The demo models live in $SPEC_DECODE_DEMO_MODELS or <repo>/demo_models; a
+row whose checkpoints are absent is reported as missing, not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Sequence
+
+from experiments._common import REPO_ROOT, quote
+
+SCALES = ("tiny", "demo", "paper")
+TASKS = ("ende", "cnndm")
+NGRAM_DRAFTS = ("unigram", "bigram")
+T5_DRAFTS = ("small", "base", "large", "small_distilled")
+DRAFTS = NGRAM_DRAFTS + T5_DRAFTS
+TASK_LABELS = {"ende": "EnDe", "cnndm": "CNNDM"}
+DEMO_DIR = os.environ.get("SPEC_DECODE_DEMO_MODELS", os.path.join(REPO_ROOT, "demo_models"))
+
+# Demo task lengths (as configs/demo/common.gin: ENDE_* and CNNDM_* macros).
+DEMO_TASKS = {"ende": ("synthetic_ende", 32, 48), "cnndm": ("synthetic_cnndm", 320, 48)}
+# The tiny scale's draft: one decoder layer, 4x narrower than t5_1_1_tiny (the target).
+TINY_DRAFT_CONFIG = ("{'vocab_size': %VOCAB_SIZE, 'emb_dim': 16, 'num_heads': 2, "
+                     "'head_dim': 8, 'mlp_dim': 32, 'num_encoder_layers': 1, "
+                     "'num_decoder_layers': 1}")
+TINY_SEEDS = {"small": 1, "base": 2, "large": 3, "small_distilled": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """gin files and bindings of one experiment; `missing` says why it cannot run."""
+  gin_files: tuple[str, ...]
+  bindings: tuple[str, ...]
+  missing: tuple[str, ...] = ()
+
+  def with_bindings(self, *bindings: str) -> "Setup":
+    return dataclasses.replace(self, bindings=self.bindings + tuple(bindings))
+
+  def command(self, output_dir: str | None = None) -> str:
+    """The `spec_decode.main` command line that runs this experiment."""
+    args = [f"--gin_file={f}" for f in self.gin_files]
+    for b in self.bindings:
+      name, value = (s.strip() for s in b.split("=", 1))
+      args.append(f"--gin.{name}={value}")
+    if output_dir:
+      args.append(f"--output_dir={output_dir}")
+    return "python -m spec_decode.main " + " ".join(quote(a) for a in args)
+
+
+def _q(s: str) -> str:
+  return repr(str(s))
+
+
+def _check(scale: str, task: str, draft: str) -> None:
+  if scale not in SCALES:
+    raise ValueError(f"unknown scale {scale!r}; known: {SCALES}")
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+  if draft not in DRAFTS:
+    raise ValueError(f"unknown draft {draft!r}; known: {DRAFTS}")
+
+
+def experiment_setup(scale: str, task: str, draft: str, *, temperature: float = 0.0,
+                     demo_dir: str | None = None, checkpoints: Mapping[str, str] | None = None,
+                     ngram_fit_examples: int | None = None) -> Setup:
+  """The gin setup of `draft` drafting for the `task` target at `scale` (see module doc).
+
+  temperature only picks the paper's gin file (t0 or t1); rows bind their own
+  TEMPERATURE and GAMMA with `row_bindings` at every scale.
+  """
+  _check(scale, task, draft)
+  if scale == "tiny":
+    return _tiny(draft, ngram_fit_examples or 200)
+  if scale == "demo":
+    return _demo(task, draft, os.path.abspath(demo_dir or DEMO_DIR), ngram_fit_examples or 10000)
+  return _paper(task, draft, 1 if temperature == 1 else 0, dict(checkpoints or {}),
+                ngram_fit_examples)
+
+
+def _tiny(draft: str, fit_examples: int) -> Setup:
+  files = ["gin/runs/benchmark.gin", "gin/tasks/toy_reverse.gin", "gin/models/random_mini.gin"]
+  bindings = ["INPUT_LENGTH = 24", "TARGET_LENGTH = 10", "NUM_EXAMPLES = 2",
+              "target/ModelSpec.preset = 't5_1_1_tiny'",
+              "target/ModelSpec.name = 'tiny target (random)'",
+              "ExperimentConfig.step_timing_repeats = 2"]
+  if draft in NGRAM_DRAFTS:
+    files.append(f"gin/drafts/{draft}.gin")
+    bindings.append(f"NGRAM_FIT_EXAMPLES = {fit_examples}")
+  else:
+    files.append("gin/drafts/random_tiny.gin")
+    seed = TINY_SEEDS[draft]
+    bindings += [f"draft/ModelSpec.config = {TINY_DRAFT_CONFIG}", f"draft/ModelSpec.seed = {seed}",
+                 f"draft/ModelSpec.name = 'nano draft (random, seed {seed})'"]
+  return Setup(tuple(files), tuple(bindings))
+
+
+def _demo(task: str, draft: str, demo_dir: str, fit_examples: int) -> Setup:
+  files = ["configs/demo/ende_experiment.gin"]
+  target = os.path.join(demo_dir, f"{task}_target")
+  bindings = [f"target/ModelSpec.checkpoint = {_q(target)}"]
+  if task != "ende":
+    name, inputs, targets = DEMO_TASKS[task]
+    bindings += [f"MIXTURE_OR_TASK_NAME = {_q(name)}", f"INPUT_LENGTH = {inputs}",
+                 f"TARGET_LENGTH = {targets}",
+                 f"target/ModelSpec.name = 'demo {TASK_LABELS[task]} target'"]
+  needed = [target]
+  if draft in NGRAM_DRAFTS:
+    files.append(f"gin/drafts/{draft}.gin")
+    bindings += ["draft/ModelSpec.checkpoint = None", f"NGRAM_FIT_EXAMPLES = {fit_examples}"]
+  else:
+    path = os.path.join(demo_dir, f"{task}_{draft}")
+    needed.append(path)
+    bindings += [f"draft/ModelSpec.checkpoint = {_q(path)}",
+                 f"draft/ModelSpec.name = 'demo {draft.replace('_', ' ')}'"]
+  missing = tuple(f"no demo model at {p}" for p in needed if not os.path.isdir(p))
+  return Setup(tuple(files), tuple(bindings), missing)
+
+
+def _paper(task: str, draft: str, t: int, checkpoints: dict[str, str],
+           fit_examples: int | None) -> Setup:
+  if draft not in NGRAM_DRAFTS + ("small", "base", "large"):
+    return Setup((), (), (f"the paper has no {draft} draft",))
+  bindings, missing = [], []
+  for key, macro in ((f"{task}_target", "CHECKPOINT_PATH"),
+                     (None if draft in NGRAM_DRAFTS else f"{task}_{draft}",
+                      "DRAFT_CHECKPOINT_PATH")):
+    if key is None:
+      continue
+    if key in checkpoints:
+      bindings.append(f"{macro} = {_q(checkpoints[key])}")
+    else:
+      missing.append(f"needs --checkpoints {key}=PATH")
+  if fit_examples:
+    bindings.append(f"NGRAM_FIT_EXAMPLES = {fit_examples}")
+  return Setup((f"configs/paper/{task}_{draft}_t{t}.gin",), tuple(bindings), tuple(missing))
+
+
+def row_bindings(*, gamma: int | None = None, temperature: float | None = None,
+                 lenience: float | None = None, run_baseline: bool | None = None,
+                 num_examples: int | None = None, batch_size: int | None = None,
+                 step_timing_repeats: int | None = None, timing_repeats: int | None = None,
+                 mesh: str | None = None) -> tuple[str, ...]:
+  """gin bindings of a row's settings (None = keep the config's value)."""
+  out = []
+  for name, value in (("GAMMA", gamma), ("TEMPERATURE", temperature),
+                      ("ExperimentConfig.lenience", lenience),
+                      ("ExperimentConfig.run_baseline", run_baseline),
+                      ("NUM_EXAMPLES", num_examples), ("BATCH_SIZE", batch_size),
+                      ("ExperimentConfig.step_timing_repeats", step_timing_repeats),
+                      ("ExperimentConfig.timing_repeats", timing_repeats),
+                      ("ExperimentConfig.mesh", mesh)):
+    if value is not None:
+      out.append(f"{name} = {_q(value) if isinstance(value, str) else repr(value)}")
+  return tuple(out)
+
+
+def parse_checkpoints(text: str | None) -> dict[str, str]:
+  """'ende_target=gs://a,ende_small=gs://b' -> {'ende_target': 'gs://a', ...}."""
+  out: dict[str, str] = {}
+  for part in (text or "").split(","):
+    if not part.strip():
+      continue
+    key, sep, path = part.partition("=")
+    if not sep or not key.strip() or not path.strip():
+      raise ValueError(f"--checkpoints entries must be NAME=PATH, got {part!r}")
+    out[key.strip()] = path.strip()
+  return out
+
+
+def parse_config(setup: Setup):
+  """The ExperimentConfig of a setup (gin state cleared first)."""
+  import gin
+
+  from spec_decode import main
+  gin.clear_config()
+  return main.parse_config(list(setup.gin_files), list(setup.bindings))
+
+
+def run(setup: Setup, output_dir: str, *, show_progress: bool = False) -> dict[str, Any]:
+  """Runs (or resumes) the experiment with `spec_decode.main.run`; returns its summary."""
+  if setup.missing:
+    raise ValueError(f"cannot run: {'; '.join(setup.missing)}")
+  import gin
+
+  from spec_decode import main
+  gin.clear_config()
+  return main.run(list(setup.gin_files), list(setup.bindings), output_dir,
+                  show_progress=show_progress)
+
+
+def load(setup: Setup):
+  """Loads the experiment's task, examples and models (`experiment.setup`) without running."""
+  if setup.missing:
+    raise ValueError(f"cannot load: {'; '.join(setup.missing)}")
+  from spec_decode import experiment
+  return experiment.setup(parse_config(setup))
+
+
+def setups_for(scale: str, task: str, drafts: Sequence[str], **kwargs) -> dict[str, Setup]:
+  return {d: experiment_setup(scale, task, d, **kwargs) for d in drafts}

@@ -1,0 +1,278 @@
+"""The experiment drivers run end to end on tiny configs and write the expected tables.
+
+Every driver runs in this process (jit caches are shared, so the tiny models
+compile once per program shape) with the 'tiny' scale: random tiny T5 models
+on the offline toy_reverse task. No test asserts on a timing; the checks are
+on the tables' rows and columns, the theory columns, and on the artificial-
+delay draft leaving logits (and so decoded tokens) unchanged.
+"""
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import (ablate, batch_scaling, benchmark, delay, paper_tables, reproduce,
+                         results_readme, setups)
+from spec_decode import decoding, theory
+from spec_decode.models.testing import MarkovDecoder
+
+
+def _rows(md_path):
+  """Data rows of the first markdown table in a file, as lists of cells."""
+  rows, seen_rule = [], False
+  for line in open(md_path, encoding="utf-8").read().splitlines():
+    if line.startswith("|---"):
+      seen_rule = True
+      continue
+    if seen_rule and line.startswith("|"):
+      rows.append([c.strip() for c in line.strip("|").split("|")])
+    elif seen_rule and rows:
+      break
+  return rows
+
+
+def _json(path):
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+  d = tmp_path_factory.mktemp("experiments")
+  return {"results": str(d / "results"), "runs": str(d / "runs")}
+
+
+# ------------------------------------------------------------------ the delayed draft
+def _markov():
+  inner = MarkovDecoder(vocab_size=6, order=1)
+  return inner, inner.init(jax.random.PRNGKey(0), scale=2.0)
+
+
+_ENC = jnp.array([[2, 3, 4], [5, 2, 0]], jnp.int32)
+
+
+@pytest.mark.parametrize("mode,amount", [("compute", 5), ("sleep", 0.001)])
+def test_delayed_decoder_keeps_logits(mode, amount):
+  inner, ip = _markov()
+  model = delay.DelayedDecoder(inner, mode=mode, matmul_size=8)
+  params = model.wrap_params(ip, amount)
+  cache = model.init_cache(params, model.encode(params, _ENC), 8)
+  toks = jnp.array([[2, 3], [4, 5]], jnp.int32)
+  logits, new_cache = model.decode(params, cache, toks)
+  ref, ref_cache = inner.decode(ip, inner.init_cache(ip, inner.encode(ip, _ENC), 8), toks)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref))
+  np.testing.assert_array_equal(np.asarray(new_cache.lengths), np.asarray(ref_cache.lengths))
+
+
+def test_delayed_draft_decodes_the_same_tokens():
+  target, tp = _markov()
+  draft = MarkovDecoder(vocab_size=6, order=1)
+  dp = draft.init(jax.random.PRNGKey(1), scale=2.0)
+  model = delay.DelayedDecoder(draft, mode="compute", matmul_size=8)
+  kw = dict(gamma=2, max_decode_len=6, sampling=decoding.Sampling(temperature=1.0),
+            rng=jax.random.PRNGKey(3))
+  delayed = decoding.speculative(target, tp, model, model.wrap_params(dp, 2), _ENC, **kw)
+  plain = decoding.speculative(target, tp, draft, dp, _ENC, **kw)
+  np.testing.assert_array_equal(np.asarray(delayed.tokens), np.asarray(plain.tokens))
+  np.testing.assert_array_equal(np.asarray(delayed.stats.accepted),
+                                np.asarray(plain.stats.accepted))
+
+
+def test_delayed_decoder_work_survives_compilation():
+  inner, ip = _markov()
+  model = delay.DelayedDecoder(inner, mode="compute", matmul_size=8)
+  params = model.wrap_params(ip, 3)
+  cache = model.init_cache(params, model.encode(params, jnp.array([[2, 3]], jnp.int32)), 4)
+  text = jax.jit(lambda p, c, t: model.decode(p, c, t)[0]).lower(
+      params, cache, jnp.array([[2]], jnp.int32)).compile().as_text()
+  assert " while(" in text and " dot(" in text  # the matmul chain was not optimized away
+
+
+def test_delayed_decoder_sleep_runs_once_per_call(monkeypatch):
+  calls = []
+  real = delay._sleep
+  monkeypatch.setattr(delay, "_sleep", lambda s, p: (calls.append(float(s)), real(s, p))[1])
+  inner, ip = _markov()
+  model = delay.DelayedDecoder(inner, mode="sleep", matmul_size=3)  # fresh jit cache entry
+  params = model.wrap_params(ip, 0.0)
+  cache = model.init_cache(params, model.encode(params, jnp.array([[2, 3]], jnp.int32)), 4)
+  step = jax.jit(model.decode)
+  for _ in range(3):
+    logits, _ = step(params, cache, jnp.array([[2]], jnp.int32))
+    jax.block_until_ready(logits)
+  assert calls == [0.0, 0.0, 0.0]
+
+
+def test_delayed_decoder_rejects_bad_settings():
+  inner, ip = _markov()
+  with pytest.raises(ValueError, match="mode"):
+    delay.DelayedDecoder(inner, mode="spin")
+  with pytest.raises(ValueError, match="matmul_size"):
+    delay.DelayedDecoder(inner, matmul_size=0)
+  with pytest.raises(ValueError, match="Decoder protocol"):
+    delay.DelayedDecoder(object())
+  model = delay.DelayedDecoder(inner)
+  for bad in (-1, 1.5, float("nan")):
+    with pytest.raises(ValueError, match="delay"):
+      model.wrap_params(ip, bad)
+
+
+# ------------------------------------------------------------------ setups
+def test_setups_parse_at_every_scale():
+  for scale in setups.SCALES:
+    for draft in ("bigram", "small"):
+      s = setups.experiment_setup(scale, "cnndm", draft, temperature=1,
+                                  checkpoints={"cnndm_target": "/ckpt/t", "cnndm_small": "/ckpt/s"})
+      cfg = setups.parse_config(s.with_bindings(*setups.row_bindings(gamma=2, lenience=0.5)))
+      assert cfg.gamma == 2 and cfg.lenience == 0.5
+      assert cfg.draft.kind == ("ngram" if draft == "bigram" else "t5")
+      if scale == "paper":
+        assert cfg.target.checkpoint == "/ckpt/t" and cfg.temperature == 1.0
+        assert not s.missing
+      if scale == "demo":
+        assert cfg.task == "synthetic_cnndm" and cfg.feature_lengths["inputs"] == 320
+  assert setups.experiment_setup("paper", "ende", "small").missing  # no checkpoints given
+  assert setups.experiment_setup("paper", "ende", "small_distilled").missing
+  with pytest.raises(ValueError, match="unknown scale"):
+    setups.experiment_setup("huge", "ende", "small")
+  with pytest.raises(ValueError, match="NAME=PATH"):
+    setups.parse_checkpoints("ende_target")
+
+
+def test_demo_lengths_match_the_demo_configs():
+  text = open(os.path.join(setups.REPO_ROOT, "configs", "demo", "common.gin")).read()
+  for task, (_, inputs, targets) in setups.DEMO_TASKS.items():
+    prefix = task.upper()
+    assert re.search(rf"^{prefix}_INPUT_LENGTH = {inputs}$", text, re.M)
+    assert re.search(rf"^{prefix}_TARGET_LENGTH = {targets}$", text, re.M)
+
+
+# ------------------------------------------------------------------ reproduce
+def test_reproduce_table1_is_the_theory(out):
+  paths = reproduce.main(["--table", "1", "--results_dir", out["results"]])
+  rows = _rows(paths[1]["md"])
+  assert len(rows) == len(paper_tables.TABLE1)
+  doc = _json(paths[1]["json"])
+  for row, (alpha, gamma, ops, speed) in zip(doc["rows"], paper_tables.TABLE1):
+    assert (row["alpha"], row["gamma"]) == (alpha, gamma)
+    np.testing.assert_allclose(row["speed"], theory.walltime_improvement(alpha, gamma, 0.0))
+    np.testing.assert_allclose(row["operations"], theory.operations_factor(alpha, gamma, 0.0))
+    np.testing.assert_allclose(row["speed"], speed, atol=0.006)  # the paper rounds to 0.01
+    np.testing.assert_allclose(row["operations"], ops, atol=0.006)
+    np.testing.assert_allclose(row["sim_speed"], row["speed"], rtol=0.02)  # 200k steps
+
+
+def test_reproduce_tables_2_to_5_tiny(out):
+  paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
+                          "--rows", "ende_small_t1,ende_small,small",
+                          "--results_dir", out["results"], "--runs_dir", out["runs"],
+                          "--fail_fast"])
+  t2, t3, t4, t5 = (_json(paths[t]["json"])["rows"] for t in (2, 3, 4, 5))
+  assert len(_rows(paths[2]["md"])) == len(t2) == len(paper_tables.TABLE2)
+  assert len(_rows(paths[3]["md"])) == len(t3) == len(paper_tables.TABLE3)
+  assert len(_rows(paths[4]["md"])) == len(t4) == len(paper_tables.TABLE4)
+  assert len(_rows(paths[5]["md"])) == len(t5) == len(paper_tables.TABLE5)
+  ran = [r for r in t2 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1)]
+  assert len(ran) == 1 and 0.0 <= ran[0]["alpha"] <= 1.0 and ran[0]["speed"] > 0
+  assert all("not run" in r["note"] for r in t2 if r is not ran[0])
+  run4 = next(r for r in t4 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1))
+  assert run4["c"] > 0
+  np.testing.assert_allclose(run4["predicted"],
+                             theory.walltime_improvement(run4["alpha"], 7, run4["c"]),
+                             rtol=1e-6)
+  np.testing.assert_allclose(run4["cost_model"], theory.expected_tokens(run4["alpha"], 7)
+                             / (7 * run4["c"] + run4["verify_ratio"]), rtol=1e-6)
+  small3 = next(r for r in t3 if r["draft"] == "T5-small" and r["target"] == "T5-XXL EnDe")
+  assert 0.0 <= small3["t0"] <= 1.0 and 0.0 <= small3["t1"] <= 1.0
+  assert all(r["note"].startswith("not reproduced") for r in t3 if r["target"].startswith(
+      ("GPT", "LaMDA")))
+  small5 = next(r for r in t5 if r["draft"] == "T5-small")
+  alphas = [small5[f"l{l:g}"] for l in paper_tables.LENIENCES]
+  assert all(0.0 <= a <= 1.0 for a in alphas)
+  assert small5["l1"] == small3["t1"]  # the same run (shared between the tables)
+  header = open(paths[4]["md"]).read()
+  assert "Command: `python -m experiments.reproduce" in header and "Machine:" in header
+  assert "python -m spec_decode.main" in header  # each run's own command
+
+
+# ------------------------------------------------------------------ the other drivers
+_TINY_MODELS = ["--target", "t5_1_1_tiny", "--draft", "t5_1_1_tiny", "--vocab_size", "259",
+                "--draft_config", json.dumps({
+                    "emb_dim": 16, "num_heads": 2, "head_dim": 8, "mlp_dim": 32,
+                    "num_encoder_layers": 1, "num_decoder_layers": 1})]
+
+
+# The drivers below decode with the tiny scale's shapes and settings where they can (gamma 7,
+# temperature 1, 24 input / 10 output tokens, batch 1), so they reuse the programs the
+# reproduce test compiled: only the shapes they add (step calls, batch 2) compile anew.
+def test_benchmark_tiny(out):
+  paths = benchmark.main(_TINY_MODELS + [
+      "--gammas", "1,2,7", "--gamma", "7", "--temperature", "1", "--repeats", "2", "--inner",
+      "1", "--input_length", "24", "--decode_len", "10", "--num_examples", "2",
+      "--e2e_repeats", "1", "--roofline", "on", "--copy_mib", "4", "--name", "tiny",
+      "--results_dir", out["results"]])
+  rows = _rows(paths["md"])
+  assert [r[0] for r in rows] == ["1", "2", "7"]
+  doc = _json(paths["json"])
+  s = doc["summary"]
+  assert s["c"]["median"] > 0 and s["target_step"]["n"] == 2
+  for k in ("autoregressive", "speculative"):
+    assert s["e2e"][k]["tokens_per_second"] > 0 and s["e2e"][k]["iterations"] > 0
+  assert 0.0 <= s["e2e"]["alpha"] <= 1.0
+  assert s["roofline"]["bytes_per_step"] > 0 and s["roofline"]["roofline_fraction"] > 0
+  g7 = doc["rows"][2]
+  np.testing.assert_allclose(g7["thm38"], theory.walltime_improvement(
+      s["e2e"]["alpha"], 7, s["c"]["median"]), rtol=1e-6)
+  text = open(paths["md"]).read()
+  assert "T_p (target step)" in text and "memory roofline" in text
+
+
+def test_ablate_tiny(out):
+  paths = ablate.main(["--scale", "tiny", "--drafts", "small", "--gammas", "7",
+                       "--temperature", "1", "--added_c", "0.5,1", "--matmul_size", "16",
+                       "--repeats", "1", "--inner", "1", "--num_examples", "1",
+                       "--results_dir", out["results"]])
+  rows = _json(paths["json"])["rows"]
+  assert [(r["added_c"], r["gamma"]) for r in rows] == [(None, 7), (0.5, 7), (1.0, 7)]
+  assert len(_rows(paths["md"])) == 3
+  assert len({r["alpha"] for r in rows}) == 1  # same logits, same keys: the same decisions
+  for r in rows:
+    np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(
+        r["alpha"], r["gamma"], r["c"]), rtol=1e-6)
+  pngs = [p for k, p in paths.items() if k.startswith("png_")]
+  assert len(pngs) == 3
+  for p in pngs:
+    with open(p, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_scaling_tiny(out):
+  paths = batch_scaling.main(["--scale", "tiny", "--batch_sizes", "1,2", "--num_examples", "2",
+                              "--gamma", "7", "--temperature", "1", "--repeats", "2",
+                              "--inner", "1", "--results_dir", out["results"],
+                              "--runs_dir", out["runs"]])
+  rows = _json(paths["json"])["rows"]
+  assert [r["batch_size"] for r in rows] == [1, 2]
+  assert all(r["speedup"] > 0 and r["examples"] == 2 and r["c"] > 0 for r in rows)
+  for r in rows:
+    np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(r["alpha"], 7, r["c"]),
+                               rtol=1e-6)
+  assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
+
+
+def test_results_readme(out):
+  path = results_readme.main(["--results_dir", out["results"]])
+  text = open(path).read()
+  for stem in ("table_1", "table_2", "table_5", "ablate_ende", "batch_scaling_ende",
+               "benchmark_tiny"):
+    if os.path.exists(os.path.join(out["results"], f"{stem}.json")):
+      assert f"{stem}.md" in text
+  assert text.count("Command: `python -m experiments.") >= 2
+  assert "Not measured here" in text
+  for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+    assert os.path.exists(os.path.join(setups.REPO_ROOT, link)), link
