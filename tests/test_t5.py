@@ -143,12 +143,16 @@ def test_bfloat16_model_returns_float32_logits_close_to_float32():
   np.testing.assert_allclose(l16, l32, atol=0.15 * float(np.abs(l32).max()), rtol=0)
 
 
-class TestErrors:
-  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+_TINY = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
 
-  @pytest.fixture(scope="class")
-  def params(self):
-    return self.model.init(jax.random.PRNGKey(0))
+
+@pytest.fixture(scope="module")
+def params():
+  return _TINY.init(jax.random.PRNGKey(0))
+
+
+class TestErrors:
+  model = _TINY
 
   def test_unknown_preset(self):
     with pytest.raises(ValueError, match="Unknown T5 preset 't5_1_1_huge'"):
