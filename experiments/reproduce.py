@@ -171,8 +171,13 @@ def _note(row: Row, results: dict) -> str:
   return "; ".join(dict.fromkeys(notes)) if notes else ""
 
 
-def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], list[dict], list]:
-  """Columns, row dicts and notes of `table` from the rows' job results."""
+def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
+           ) -> tuple[list[Column], list[dict], list]:
+  """Columns, row dicts and notes of `table` from the rows' job results.
+
+  loop: {job key: `costs.pair_costs` result} replacing the runs' own c and
+  verify ratio in Table 4 (see `loop_costs`).
+  """
   from spec_decode import theory
   out, notes = [], []
   get = lambda row, cell, key: _measured(results.get(row.jobs[cell].key), key) \
@@ -216,18 +221,23 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
     cols += [Column("examples", "examples"), Column("note", "note")]
     for row in rows:
       labels = [get(row, "run", f"experiment.{r}.name") for r in ("target", "draft")]
+      g = row.cells["gamma"]
       alpha, c, r = (get(row, "run", k) for k in ("alpha", "timing.c", "timing.verify_ratio"))
-      cost = None
+      run_costs = dict(c_run=c, verify_ratio_run=r,
+                       predicted_run=get(row, "run", "speedup_predicted"))
+      lc = (loop or {}).get(row.jobs["run"].key)
+      if lc is not None:  # the in-loop, interleaved measurement (see `loop_costs`)
+        c, r = lc["c"]["median"], lc["verify_ratio"][g]["median"]
+      predicted = cost = None
       if None not in (alpha, c, r) and not np.isnan(alpha):
-        g = row.cells["gamma"]
+        predicted = float(theory.walltime_improvement(alpha, g, c))
         cost = float(theory.expected_tokens(alpha, g)) / (g * c + r)
-      out.append(dict(row.cells, alpha=get(row, "run", "alpha"), cost_model=cost,
+      out.append(dict(row.cells, alpha=alpha, cost_model=cost, **run_costs,
                       alpha_observed=get(row, "run", "alpha_observed"),
-                      c=get(row, "run", "timing.c"), predicted=get(row, "run", "speedup_predicted"),
+                      c=c, predicted=predicted, verify_ratio=r,
                       speed=get(row, "run", "speedup_measured"),
                       identical=get(row, "run", "identical_fraction"),
                       tokens_per_call=get(row, "run", "tokens_per_target_call"),
-                      verify_ratio=get(row, "run", "timing.verify_ratio"),
                       examples=get(row, "run", "completed"),
                       target_ours=" / ".join(l for l in labels if l) or None,
                       note=_note(row, results)))
@@ -236,12 +246,18 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
              "speed = autoregressive seconds / speculative seconds on the same examples, "
              "batch as configured, both timed after compilation in one process."]
     if table == 4:
-      notes.append("c (ours) = median single-token decode time of draft / target on one batch, "
-                   "measured in the same run (`timing.step_time`: one dispatch per step); "
-                   "predicted = Thm 3.8 at the measured alpha and c; cost model = "
-                   "E[tokens](alpha, gamma) / (gamma c + T_verify(gamma+1) / T_p), Thm 3.8 with "
-                   "the measured cost of the target's (gamma+1)-token verify call instead of "
-                   "one step.")
+      notes.append(
+          "c (ours) and T_verify/T_p (ours): " + (
+              "medians of per-round ratios over interleaved rounds of single-token (and "
+              "gamma+1-token) decode steps of the run's target and draft on its first batch, "
+              "timed several steps per jitted loop (experiments/costs.py `pair_costs`, as "
+              "benchmark.py); the run's own values (`timing.step_time`, one dispatch per step, "
+              "which on a CPU inflates and scatters c for small models) are in the JSON as "
+              "c_run / verify_ratio_run / predicted_run." if loop else
+              "from the run itself (`timing.step_time`, one dispatch per step).")
+          + " predicted = Thm 3.8 at the measured alpha and c; cost model = E[tokens](alpha, "
+          "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
+          "of the target's (gamma+1)-token verify call instead of one step.")
     if table == 2:
       notes.append("'= baseline': fraction of examples whose speculative output equals the "
                    "autoregressive one token for token (1.00 expected at temp 0; at temp 1 both "
@@ -273,6 +289,41 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
   notes = ["EnDe, temperature 1. alpha = mean of sum_x min(p(x) / l, q(x)) (the lenient "
            "acceptance probability, paper appendix A.5) over decided positions."]
   return cols, out, notes
+
+
+def loop_costs(rows: list[Row], results: dict, args) -> dict[str, dict]:
+  """In-loop, interleaved step costs of each (target, draft) pair of Table 4's finished runs.
+
+  One `costs.pair_costs` per pair, on the pair's first run's first batch and
+  settings, covering every gamma its rows use; keyed by job key.
+  """
+  import jax.numpy as jnp
+
+  from experiments import costs
+  from spec_decode import data
+  pairs: dict[str, list[Row]] = {}
+  for row in rows:
+    entry = results.get(row.jobs["run"].key)
+    if entry is not None and "summary" in entry:
+      exp = entry["summary"]["experiment"]
+      pairs.setdefault(json.dumps([exp["target"], exp["draft"]], sort_keys=True), []).append(row)
+  out = {}
+  for pair_rows in pairs.values():
+    st = setups.load(pair_rows[0].jobs["run"].setup)
+    cfg = st.config
+    gammas = sorted({r.cells["gamma"] for r in pair_rows})
+    enc = jnp.asarray(data.encoder_batch(list(st.examples[:cfg.batch_size]),
+                                         batch_size=cfg.batch_size,
+                                         input_length=cfg.feature_lengths["inputs"]))
+    print(f"step costs of {cfg.target.label} / {cfg.draft.label}", flush=True)
+    pc = costs.pair_costs(st.target, st.target_params, st.draft, st.draft_params, enc,
+                          gammas=gammas, cache_length=cfg.decode_len + max(gammas) + 1,
+                          position=cfg.decode_len // 2, steps=args.loop_steps,
+                          repeats=args.repeats, inner=3, mesh=st.mesh)
+    pc.pop("target_fn")
+    for r in pair_rows:
+      out[r.jobs["run"].key] = pc
+  return out
 
 
 def _runs_md(rows: list[Row], results: dict) -> str:
@@ -309,6 +360,12 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
   p.add_argument("--results_dir", default=_common.RESULTS_DIR)
   p.add_argument("--progress", action="store_true", help="progress bars per run")
+  p.add_argument("--no_loop_costs", dest="loop_costs", action="store_false",
+                 help="Table 4: keep the runs' own c instead of measuring it in a loop")
+  p.add_argument("--repeats", type=int, default=10,
+                 help="Table 4 step costs: interleaved timing rounds")
+  p.add_argument("--loop_steps", type=int, default=8,
+                 help="Table 4 step costs: decode steps per timed jitted loop")
   p.add_argument("--fail_fast", action="store_true", help="raise on the first failing run")
   args = p.parse_args(list(argv))
   text = args.table.strip().lower()
@@ -346,10 +403,11 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
   jobs = {job.key: job for rows in plans.values() for row in rows for job in row.jobs.values()
           if args.row_filter is None or row.id in args.row_filter}
   results = run_jobs(jobs, args)
+  loop = loop_costs(plans[4], results, args) if 4 in plans and args.loop_costs else None
   _common.finish_meta(meta)
   paths = {}
   for t, rows in plans.items():
-    cols, out, notes = render(t, rows, results)
+    cols, out, notes = render(t, rows, results, loop)
     notes = [f"Scale: {args.scale} ({_SCALE_NOTES[args.scale]})."] + notes
     paths[t] = _common.write_outputs(
         args.results_dir, f"table_{t}", title=f"Table {t}: paper vs this reproduction",

@@ -130,8 +130,14 @@ def _demo(task: str, draft: str, demo_dir: str, fit_examples: int) -> Setup:
     needed.append(path)
     bindings += [f"draft/ModelSpec.checkpoint = {_q(path)}",
                  f"draft/ModelSpec.name = 'demo {draft.replace('_', ' ')}'"]
-  missing = tuple(f"no demo model at {p}" for p in needed if not os.path.isdir(p))
+  missing = tuple(f"no demo model {_shown(p)}" for p in needed if not os.path.isdir(p))
   return Setup(tuple(files), tuple(bindings), missing)
+
+
+def _shown(path: str) -> str:
+  """A path relative to the repository when it lies inside it."""
+  rel = os.path.relpath(path, REPO_ROOT)
+  return path if rel.startswith("..") else rel
 
 
 def _paper(task: str, draft: str, t: int, checkpoints: dict[str, str],

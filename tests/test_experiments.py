@@ -24,8 +24,12 @@ from spec_decode.models.testing import MarkovDecoder
 
 def _rows(md_path):
   """Data rows of the first markdown table in a file, as lists of cells."""
+  return _rows_of(open(md_path, encoding="utf-8").read())
+
+
+def _rows_of(text):
   rows, seen_rule = [], False
-  for line in open(md_path, encoding="utf-8").read().splitlines():
+  for line in text.splitlines():
     if line.startswith("|---"):
       seen_rule = True
       continue
@@ -169,7 +173,7 @@ def test_reproduce_table1_is_the_theory(out):
 
 def test_reproduce_tables_2_to_5_tiny(out):
   paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
-                          "--rows", "ende_small_t1,ende_small,small",
+                          "--rows", "ende_small_t1,ende_small,small", "--repeats", "2",
                           "--results_dir", out["results"], "--runs_dir", out["runs"],
                           "--fail_fast"])
   t2, t3, t4, t5 = (_json(paths[t]["json"])["rows"] for t in (2, 3, 4, 5))
@@ -181,7 +185,7 @@ def test_reproduce_tables_2_to_5_tiny(out):
   assert len(ran) == 1 and 0.0 <= ran[0]["alpha"] <= 1.0 and ran[0]["speed"] > 0
   assert all("not run" in r["note"] for r in t2 if r is not ran[0])
   run4 = next(r for r in t4 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1))
-  assert run4["c"] > 0
+  assert run4["c"] > 0 and run4["c_run"] > 0  # in-loop c, and the run's own
   np.testing.assert_allclose(run4["predicted"],
                              theory.walltime_improvement(run4["alpha"], 7, run4["c"]),
                              rtol=1e-6)
@@ -237,8 +241,10 @@ def test_ablate_tiny(out):
                        "--temperature", "1", "--added_c", "0.5,1", "--matmul_size", "16",
                        "--repeats", "1", "--inner", "1", "--num_examples", "1",
                        "--results_dir", out["results"]])
-  rows = _json(paths["json"])["rows"]
+  doc = _json(paths["json"])
+  rows = doc["rows"]
   assert [(r["added_c"], r["gamma"]) for r in rows] == [(None, 7), (0.5, 7), (1.0, 7)]
+  assert len(_rows_of(doc["readme_markdown"])) == 3  # one summary row per draft variant
   assert len(_rows(paths["md"])) == 3
   assert len({r["alpha"] for r in rows}) == 1  # same logits, same keys: the same decisions
   for r in rows:
