@@ -44,6 +44,23 @@ class LengthCache:
                        f"got {lengths.shape}")
     return self.replace(lengths=lengths)
 
+  def check_append(self, tokens) -> None:
+    """Raises ValueError unless tokens [B, T] fit after every row's current length.
+
+    The per-row overflow check needs concrete lengths, so it is skipped under jit
+    tracing (the decoding loops size their caches so it cannot happen there).
+    """
+    B, T = tokens.shape
+    if B != self.batch_size:
+      raise ValueError(f"tokens batch {B} != cache batch {self.batch_size}")
+    if T > self.max_length:
+      raise ValueError(f"cannot decode {T} tokens into a cache of length {self.max_length}")
+    if not isinstance(self.lengths, jax.core.Tracer):
+      longest = int(jnp.max(self.lengths))
+      if longest + T > self.max_length:
+        raise ValueError(f"decoding {T} tokens at length {longest} overflows the cache "
+                         f"(max_decode_len {self.max_length})")
+
 
 @runtime_checkable
 class Decoder(Protocol):

@@ -408,16 +408,7 @@ class T5:
     positions <= its own. The returned cache has lengths + T.
     """
     tokens = _check_tokens(tokens, "tokens", self.config.vocab_size)
-    B, T = tokens.shape
-    if B != cache.batch_size:
-      raise ValueError(f"tokens batch {B} != cache batch {cache.batch_size}")
-    if T > cache.max_length:
-      raise ValueError(f"cannot decode {T} tokens into a cache of length {cache.max_length}")
-    if not isinstance(cache.lengths, jax.core.Tracer):
-      longest = int(np.max(np.asarray(cache.lengths)))
-      if longest + T > cache.max_length:
-        raise ValueError(f"decoding {T} tokens at length {longest} overflows the cache "
-                         f"(max_decode_len {cache.max_length})")
+    cache.check_append(tokens)
     return self._decode(params, cache, tokens)
 
   @functools.partial(jax.jit, static_argnums=0)

@@ -111,14 +111,7 @@ class MarkovDecoder:
     """Appends tokens [B, T] at each row's length; returns logits [B, T, V] float32."""
     self._check_params(params)
     tokens = _check_tokens(tokens, "tokens", self.vocab_size)
-    B, T = tokens.shape
-    if B != cache.batch_size:
-      raise ValueError(f"tokens batch {B} != cache batch {cache.batch_size}")
-    if not isinstance(cache.lengths, jax.core.Tracer):
-      longest = int(np.max(np.asarray(cache.lengths)))
-      if longest + T > cache.max_length:
-        raise ValueError(f"decoding {T} tokens at length {longest} overflows the cache "
-                         f"(max_decode_len {cache.max_length})")
+    cache.check_append(tokens)
     return self._decode(params, cache, tokens)
 
   @functools.partial(jax.jit, static_argnums=0)
