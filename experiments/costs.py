@@ -1,15 +1,10 @@
 """Step costs measured in one process: T_p, T_q, c, verify cost, and the memory roofline.
 
-`decode_step(model, params, enc, num_tokens=T, steps=k, ...)` builds a jitted
-call running k decodes of T tokens per row in a `lax.fori_loop` against a
-cache filled to `position` (rewound after each decode, as the decoding loops
-do; each decode is fed the argmax of the previous one, so none can be hoisted
-or skipped), optionally laid out on a mesh the way `decoding.speculative` lays
-out target and draft. Timing k decodes in one call and dividing by k is the
-per-step cost *inside* a jitted decoding loop: one host dispatch per k steps,
-where timing single calls would add a dispatch to every step (for small models
-on a CPU that overhead is as large as the step itself, and it would pull c
-towards 1).
+`decode_step` is `spec_decode.timing.decode_loop`: a jitted call running k
+decodes of T tokens per row in a `lax.fori_loop` against a cache filled to
+`position`, optionally laid out on a mesh the way `decoding.speculative` lays
+out target and draft; dividing its time by k is the per-step cost *inside* a
+jitted decoding loop (the experiment runs' own c uses the same loop).
 `interleaved(fns, repeats=R)` compiles every function, then runs R rounds,
 each timing every function once (median of `inner` blocked calls), so slow
 drifts of the machine's load hit all functions alike and per-round ratios
@@ -25,7 +20,6 @@ gives the memory-roofline time of a step.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -36,69 +30,7 @@ from experiments._common import spread
 from spec_decode import partitioning, timing
 from spec_decode.models import t5
 
-
-def decode_step(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
-                position: int | None = None, steps: int = 1, mesh=None,
-                rules=None) -> Callable[[], jax.Array]:
-  """A zero-argument function running `steps` decodes of num_tokens tokens per row (one jit).
-
-  With a mesh, params are laid out by `rules` (default T5X's), the batch over
-  `data`, and the cache by its logical axes. Returns the call; `.steps` is
-  `steps` (`interleaved` divides by it) and `.state` holds params and the
-  current cache (for `decode_bytes`).
-  """
-  if not 1 <= num_tokens <= cache_length:
-    raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
-  if not isinstance(steps, int) or steps < 1:
-    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-  position = cache_length // 2 if position is None else position
-  position = max(0, min(position, cache_length - num_tokens))
-  if mesh is not None:
-    rules = partitioning.standard_logical_axis_rules() if rules is None else rules
-    params = partitioning.put(params, partitioning.param_shardings(model, mesh, rules,
-                                                                   params=params))
-    encoder_tokens = partitioning.put(
-        encoder_tokens, partitioning.batch_sharding(mesh, encoder_tokens.shape, rules))
-  cache = model.init_cache(params, model.encode(params, encoder_tokens), cache_length)
-  cache = cache.rewind(jnp.full(cache.lengths.shape, position, jnp.int32))
-  if mesh is not None:
-    axes = partitioning.cache_axes(cache)
-    if axes is not None:
-      cache = partitioning.put(cache, partitioning.tree_shardings(
-          axes, cache, mesh, rules, partitioning.model_units(model)))
-  tokens = jnp.full((encoder_tokens.shape[0], num_tokens), 2, jnp.int32)
-  if mesh is not None:
-    tokens = partitioning.put(tokens, partitioning.batch_sharding(mesh, tokens.shape, rules))
-  step = _jitted_steps(model, steps, mesh, rules)
-  state = {"cache": cache, "params": params, "tokens": tokens}
-
-  def call():
-    logits, state["cache"] = step(params, state["cache"], tokens)
-    return logits
-
-  call.state = state
-  call.steps = steps
-  return call
-
-
-@functools.lru_cache(maxsize=64)
-def _jitted_steps(model, steps: int, mesh, rules):
-  """One jitted k-step decode loop per (model, k, layout): equal shapes share a compile."""
-
-  def _run(params, cache, tokens):
-    lengths = cache.lengths
-
-    def body(_, carry):
-      cache, tokens, _ = carry
-      logits, cache = model.decode(params, cache, tokens)
-      cache = partitioning.constrain_cache(cache, model, mesh, rules).rewind(lengths)
-      return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
-
-    logits = jnp.zeros(tokens.shape + (model.vocab_size,), jnp.float32)
-    cache, _, logits = jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))
-    return logits, cache
-
-  return jax.jit(_run, donate_argnums=1)
+decode_step = timing.decode_loop
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,

@@ -251,10 +251,11 @@ def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
               "medians of per-round ratios over interleaved rounds of single-token (and "
               "gamma+1-token) decode steps of the run's target and draft on its first batch, "
               "timed several steps per jitted loop (experiments/costs.py `pair_costs`, as "
-              "benchmark.py); the run's own values (`timing.step_time`, one dispatch per step, "
-              "which on a CPU inflates and scatters c for small models) are in the JSON as "
-              "c_run / verify_ratio_run / predicted_run." if loop else
-              "from the run itself (`timing.step_time`, one dispatch per step).")
+              "benchmark.py); the run's own values (`timing.step_time`: medians over repeated "
+              "calls of the same in-loop decode, not interleaved, so a drift of the machine's "
+              "load between the target's and the draft's timing moves them) are in the JSON "
+              "as c_run / verify_ratio_run / predicted_run." if loop else
+              "from the run itself (`timing.step_time`, several decode steps per jitted loop).")
           + " predicted = Thm 3.8 at the measured alpha and c; cost model = E[tokens](alpha, "
           "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
           "of the target's (gamma+1)-token verify call instead of one step.")

@@ -10,8 +10,8 @@ its batch and a resumed run reproduces an uninterrupted one). Each batch is
 timed after compilation (the first call of each decoder is timed on its own
 and reported as compile time); `timing_repeats` > 1 takes the median of that
 many runs per batch. c is measured in the same run as the median
-single-token decode step of draft over target on one batch
-(`timing.step_time`). Rows are appended to `predictions.jsonl` after every
+single-token decode step of draft over target on one batch, timed inside a
+jitted loop of several steps (`timing.step_time`). Rows are appended to `predictions.jsonl` after every
 batch; a rerun with the same output_dir skips the examples already there, and
 the summary (`results.json`, `table_row.md`, see `spec_decode.report`) is
 always computed from all rows. See `spec_decode.results` for the files.
@@ -301,13 +301,14 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, float]:
   batch = s.examples[:cfg.batch_size]
   enc = jnp.asarray(data.encoder_batch(batch, batch_size=cfg.batch_size,
                                        input_length=cfg.feature_lengths["inputs"]))
-  if s.mesh is not None:
-    enc = partitioning.put(enc, partitioning.batch_sharding(s.mesh, enc.shape))
   length = cfg.decode_len + cfg.gamma + 1  # the speculative loop's cache size
-  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats)
-  target_s = timing.step_time(s.target, s.target_params, enc, **kw)
-  draft_s = timing.step_time(s.draft, s.draft_params, enc, **kw)
-  verify_s = timing.step_time(s.target, s.target_params, enc, num_tokens=cfg.gamma + 1, **kw)
+  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh)
+  rules = cfg.rules if s.mesh is not None else None
+  draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
+  target_s = timing.step_time(s.target, s.target_params, enc, rules=rules, **kw)
+  draft_s = timing.step_time(s.draft, s.draft_params, enc, rules=draft_rules, **kw)
+  verify_s = timing.step_time(s.target, s.target_params, enc, num_tokens=cfg.gamma + 1,
+                              rules=rules, **kw)
   return {"target_step_seconds": target_s, "draft_step_seconds": draft_s,
           "verify_seconds": verify_s, "c": draft_s / target_s,
           "verify_ratio": verify_s / target_s}

@@ -2,8 +2,10 @@
 
 Every timed call ends with `jax.block_until_ready` on its result, so the time
 covers the device work, not only its dispatch. `step_time` measures one
-decoder call (T tokens into a cache) of any `Decoder`; the cost coefficient
-c of the paper is step_time(draft) / step_time(target) on the same batch.
+decoder call (T tokens into a cache) of any `Decoder` as it runs inside a
+jitted decoding loop (`decode_loop`: k calls per dispatch); the cost
+coefficient c of the paper is step_time(draft) / step_time(target) on the
+same batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from spec_decode import partitioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,33 +47,86 @@ def timed(fn: Callable[[], Any], *, repeats: int = 1, warmup: int = 0) -> Timed:
   return Timed(result=result, seconds=tuple(seconds))
 
 
-def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_length: int,
-              position: int | None = None, repeats: int = 10, warmup: int = 2) -> float:
-  """Median seconds of one jitted `model.decode` of num_tokens tokens per row.
+def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
+                position: int | None = None, steps: int = 1, mesh=None,
+                rules=None) -> Callable[[], jax.Array]:
+  """A zero-argument function running `steps` decodes of num_tokens tokens per row in one jit.
 
   The cache holds `cache_length` slots with every row at `position` (default
-  cache_length // 2), so attention reads a realistic prefix. The cache is
-  donated and rewound each call, as the decoding loops update it in place.
+  cache_length // 2), so attention reads a realistic prefix; each decode is
+  rewound afterwards, as the decoding loops rewind, and is fed the argmax of
+  the previous one, so none can be hoisted or skipped. Timing k decodes in one
+  call and dividing by k gives the per-step cost *inside* a jitted decoding
+  loop (one host dispatch per k steps; timing single calls adds a dispatch to
+  every step, which for small models on a CPU is as large as the step and
+  pulls c towards 1). With a mesh, params are laid out by `rules` (default
+  T5X's), the batch over `data` and the cache by its logical axes, the way
+  `decoding.speculative` lays them out. The function's `.steps` is `steps`;
+  `.state` holds params, tokens and the current cache (the cache is donated).
   """
   if not 1 <= num_tokens <= cache_length:
     raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
+  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
   position = cache_length // 2 if position is None else position
-  position = min(position, cache_length - num_tokens)
+  position = max(0, min(position, cache_length - num_tokens))
+  if mesh is not None:
+    rules = partitioning.standard_logical_axis_rules() if rules is None else rules
+    params = partitioning.put(params, partitioning.param_shardings(model, mesh, rules,
+                                                                   params=params))
+    encoder_tokens = partitioning.put(
+        encoder_tokens, partitioning.batch_sharding(mesh, encoder_tokens.shape, rules))
   cache = model.init_cache(params, model.encode(params, encoder_tokens), cache_length)
-  start = jnp.full(cache.lengths.shape, position, jnp.int32)
-  cache = cache.rewind(start)
+  cache = cache.rewind(jnp.full(cache.lengths.shape, position, jnp.int32))
+  if mesh is not None:
+    axes = partitioning.cache_axes(cache)
+    if axes is not None:
+      cache = partitioning.put(cache, partitioning.tree_shardings(
+          axes, cache, mesh, rules, partitioning.model_units(model)))
   tokens = jnp.full((encoder_tokens.shape[0], num_tokens), 2, jnp.int32)
-  state = {"cache": cache}
+  if mesh is not None:
+    tokens = partitioning.put(tokens, partitioning.batch_sharding(mesh, tokens.shape, rules))
+  run = _jitted_steps(model, steps, mesh, rules)
+  state = {"cache": cache, "params": params, "tokens": tokens}
 
   def call():
-    logits, state["cache"] = _decode_step(model, params, state["cache"], tokens)
+    logits, state["cache"] = run(params, state["cache"], tokens)
     return logits
 
-  return timed(call, repeats=repeats, warmup=warmup).median
+  call.state = state
+  call.steps = steps
+  return call
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _decode_step(model, params, cache, tokens):
-  """One decoder call; the cache comes back at its input lengths (in place: donated)."""
-  logits, new_cache = model.decode(params, cache, tokens)
-  return logits, new_cache.rewind(cache.lengths)
+def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_length: int,
+              position: int | None = None, steps: int = 8, repeats: int = 10, warmup: int = 2,
+              mesh=None, rules=None) -> float:
+  """Median seconds of one `model.decode` of num_tokens tokens per row inside a jitted loop.
+
+  Each timed call runs `steps` decodes (`decode_loop`) and counts as
+  1/steps of its time; see `decode_loop` for the cache and layout.
+  """
+  call = decode_loop(model, params, encoder_tokens, num_tokens=num_tokens,
+                     cache_length=cache_length, position=position, steps=steps, mesh=mesh,
+                     rules=rules)
+  return timed(call, repeats=repeats, warmup=warmup).median / steps
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_steps(model, steps: int, mesh, rules):
+  """One jitted k-step decode loop per (model, k, layout): equal shapes share a compile."""
+
+  def _run(params, cache, tokens):
+    lengths = cache.lengths
+
+    def body(_, carry):
+      cache, tokens, _ = carry
+      logits, cache = model.decode(params, cache, tokens)
+      cache = partitioning.constrain_cache(cache, model, mesh, rules).rewind(lengths)
+      return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+    logits = jnp.zeros(tokens.shape + (model.vocab_size,), jnp.float32)
+    cache, _, logits = jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))
+    return logits, cache
+
+  return jax.jit(_run, donate_argnums=1)

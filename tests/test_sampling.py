@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from spec_decode.decoding import Sampling, sample_from
+from spec_decode.decoding.sampling import draw
 
 
 def _softmax(x):
@@ -93,3 +94,21 @@ def test_sample_from_frequencies():
 def test_invalid_sampling(kwargs, match):
   with pytest.raises(ValueError, match=match):
     Sampling(**kwargs)
+
+
+def test_greedy_draw_equals_sampling_from_the_one_hot():
+  """draw(greedy=True) takes the argmax; it must be the token sample_from would draw."""
+  logits = jax.random.normal(jax.random.PRNGKey(3), (16, 50)) * 3.0
+  keys = jax.random.split(jax.random.PRNGKey(4), 16)
+  p = Sampling(temperature=0.0).probs(logits)
+  q = Sampling(temperature=0.0).probs(jnp.roll(logits, 1, axis=0))
+  residual = jnp.maximum(p - q, 0.0)
+  residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)
+  for probs in (p, residual):
+    np.testing.assert_array_equal(draw(keys, probs, greedy=True),
+                                  jax.vmap(sample_from)(keys, probs))
+  np.testing.assert_array_equal(draw(keys, p, greedy=True), jnp.argmax(logits, -1))
+  # Not greedy: exactly the per-row sample_from draws.
+  soft = Sampling(temperature=1.0).probs(logits)
+  np.testing.assert_array_equal(draw(keys, soft, greedy=False),
+                                jax.vmap(sample_from)(keys, soft))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from spec_decode import partitioning
 from spec_decode.decoding.common import check_inputs, row_keys
-from spec_decode.decoding.sampling import Sampling, sample_from
+from spec_decode.decoding.sampling import Sampling, draw
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models.t5 import BOS_ID, EOS_ID
 
@@ -81,7 +81,7 @@ def _autoregressive_impl(params, encoder_tokens, rng, row_ids, *, model, max_dec
     logits, cache = model.decode(params, s.cache, s.last[:, None])
     cache = partitioning.constrain_cache(cache, model, mesh, rules)
     keys = row_keys(rng, row_ids, s.step)
-    tok = jax.vmap(sample_from)(keys, sampling.probs(logits[:, 0]))
+    tok = draw(keys, sampling.probs(logits[:, 0]), greedy=sampling.greedy)
     active = ~s.done
     tok = jnp.where(active, tok, 0)
     lengths = s.lengths + active.astype(jnp.int32)

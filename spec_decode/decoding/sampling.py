@@ -68,3 +68,15 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   """Draws an index from each distribution along the last axis (zeros never drawn)."""
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
   return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def draw(keys: jax.Array, probs: jax.Array, *, greedy: bool) -> jax.Array:
+  """One token per row: `sample_from(keys[i], probs[i])` for each i, int32 [B].
+
+  With greedy=True the rows of probs are argmax one-hots (or residuals of
+  two one-hots, which put all their mass on one token), so the draw is their
+  argmax: the same token, without generating B x V random numbers.
+  """
+  if greedy:
+    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+  return jax.vmap(sample_from)(keys, probs)

@@ -32,7 +32,7 @@ import numpy as np
 
 from spec_decode import partitioning
 from spec_decode.decoding.common import check_inputs, row_keys
-from spec_decode.decoding.sampling import Sampling, sample_from
+from spec_decode.decoding.sampling import Sampling, draw
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models import t5
 from spec_decode.models.t5 import BOS_ID, EOS_ID
@@ -175,13 +175,13 @@ def _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder
 
     logits, cache = jax.lax.cond(s.it == 0, first_call, catch_up_call)
     q1 = sampling.probs(logits)
-    x1 = jax.vmap(sample_from)(keys_BG[:, 0], q1)
+    x1 = draw(keys_BG[:, 0], q1, greedy=sampling.greedy)
 
     def step(carry, key_B):
       cache, x = carry
       logits, cache = draft.decode(draft_params, cache, x[:, None])
       q = sampling.probs(logits[:, 0])
-      x = jax.vmap(sample_from)(key_B, q)
+      x = draw(key_B, q, greedy=sampling.greedy)
       return (cache, x), (x, q)
 
     cache = partitioning.constrain_cache(cache, draft, mesh, draft_rules)
@@ -217,7 +217,7 @@ def _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     # mass == 0 only through rounding when p ~ q; p_n itself is then the right law.
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
-    extra = jax.vmap(sample_from)(correct_keys, residual)
+    extra = draw(correct_keys, residual, greedy=sampling.greedy)
 
     # New tokens x_1..x_n, extra; cut after the first EOS and at max_decode_len.
     j = jnp.arange(g + 1)[None, :]
