@@ -12,7 +12,7 @@ measured at that B on the first batch, interleaved and inside a jitted loop
 (`experiments.costs.pair_costs`, as benchmark.py), and the table lists the
 measured speedup next to Theorem 3.8's prediction at the measured alpha and
 c(B), and the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) at B.
-(The run's own c, from single dispatched steps, is kept in the JSON as c_run.) Larger batches make a
+(The run's own c, timed without interleaving, is kept in the JSON as c_run.) Larger batches make a
 decode step less memory-bound, so the verify call's extra gamma tokens stop
 being free (T_verify / T_p grows), and a batch waits for its slowest row.
 Writes <results_dir>/batch_scaling_<task>.{md,csv,json,png}.

@@ -139,3 +139,26 @@ def test_offline_source_tokenizes_with_eos():
   assert source.metric == "bleu"
   with pytest.raises(ValueError, match="unknown offline task"):
     synthetic_tasks.offline_source("nope")
+
+
+@pytest.mark.parametrize("task,salt", [("synthetic_ende", "/de"), ("synthetic_cnndm", "/summary")])
+def test_other_references_for_the_same_inputs(task, salt):
+  examples = splits.examples(task, "test", size=40)
+  # The example's own rng salt redraws exactly its reference.
+  assert splits.references(task, "test", size=40, salt=salt) == [e["targets"] for e in examples]
+  resampled = splits.references(task, "test", size=40)
+  mode = splits.references(task, "test", size=40, mode="mode")
+  assert mode == splits.references(task, "test", size=40, mode="mode")
+  assert resampled != [e["targets"] for e in examples]  # stochastic choices differ somewhere
+  assert len(set(mode)) == 40
+  with pytest.raises(ValueError, match="mode"):
+    splits.references(task, "test", size=2, mode="best")
+
+
+def test_most_likely_rng_takes_the_heaviest_option():
+  rng = splits.MostLikely(0)
+  assert rng.choices(["a", "b", "c"], [0.2, 0.5, 0.3]) == ["b"]
+  assert rng.random() == 0.5
+  # 'Doktor' (weight 0.3) never wins against 'Arzt' (0.7) in mode references.
+  mode = " ".join(splits.references("synthetic_ende", "test", size=200, mode="mode"))
+  assert "Arzt" in mode and "Doktor" not in mode

@@ -205,8 +205,13 @@ def _speculative_impl(target_params, draft_params, encoder_tokens, draft_encoder
     p = sampling.probs(logits)  # [B, g + 1, V]
 
     # Rejection sampling: accept x_i while u_i * l * q_i(x_i) < p_i(x_i).
-    u = jax.vmap(lambda k: jax.random.uniform(k, (g,)))(accept_keys)
-    accept = u * lenience * _take(q, x) < _take(p[:, :g], x)
+    if sampling.greedy:
+      # q is one-hot at x and p one-hot, so the test is p(x) = 1 whatever u < 1 is (and
+      # the random keys become dead code).
+      accept = _take(p[:, :g], x) > 0
+    else:
+      u = jax.vmap(lambda k: jax.random.uniform(k, (g,)))(accept_keys)
+      accept = u * lenience * _take(q, x) < _take(p[:, :g], x)
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
 
     # Extra token from norm(max(0, p_{n+1} - l q_{n+1})), with q_{g+1} = 0.

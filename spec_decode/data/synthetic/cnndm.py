@@ -117,3 +117,8 @@ def article_and_summary(rng: random.Random, summary_rng: random.Random) -> dict[
 def example(seed: str) -> dict[str, str]:
   """The example named by `seed`."""
   return article_and_summary(random.Random(seed), random.Random(seed + "/summary"))
+
+
+def reference(seed: str, rng: random.Random) -> str:
+  """A summary of the article named by `seed`, its paraphrases drawn from `rng`."""
+  return article_and_summary(random.Random(seed), rng)["targets"]

@@ -243,5 +243,10 @@ def _sentence_text(words: list[str]) -> str:
 
 def example(seed: str) -> dict[str, str]:
   """The example named by `seed`: its source tree and one reference draw."""
-  tree = sample_sentence(random.Random(seed))
-  return {"inputs": english(tree), "targets": german(tree, random.Random(seed + "/de"))}
+  return {"inputs": english(sample_sentence(random.Random(seed))),
+          "targets": reference(seed, random.Random(seed + "/de"))}
+
+
+def reference(seed: str, rng: random.Random) -> str:
+  """A translation of the example named by `seed`, its choices drawn from `rng`."""
+  return german(sample_sentence(random.Random(seed)), rng)
