@@ -373,7 +373,10 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
   s = setup(config)  # before anything is written: a config that fails leaves no trace
   path = f"{output_dir}/{results.PREDICTIONS}"
   if _is_writer():
-    results.check_config(output_dir, config.to_json(),
+    # A checkpoint retrained in place must not resume the old model's predictions.
+    fingerprints = {role: model_specs.checkpoint_fingerprint(getattr(config, role))
+                    for role in ("target", "draft")}
+    results.check_config(output_dir, dict(config.to_json(), checkpoint_fingerprints=fingerprints),
                          may_differ=("num_examples", "timing_repeats", "step_timing_repeats"))
   rows = results.read_rows(path) if _is_writer() else {}
   done = np.array([ex.index in rows for ex in s.examples], bool)

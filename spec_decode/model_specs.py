@@ -14,6 +14,7 @@ token sequences (for drafters fit on data).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -135,6 +136,31 @@ def resolve_checkpoint(path) -> str:
     return path
   in_repo = os.path.join(_REPO_ROOT, path)
   return in_repo if os.path.exists(in_repo) else path
+
+
+def checkpoint_fingerprint(spec: ModelSpec, *, small_file_bytes: int = 1 << 20) -> str | None:
+  """A hash of what a local checkpoint holds, so a resumed run sees a retrained one.
+
+  Covers every file's relative path and size, and the content of files up to
+  `small_file_bytes` (metadata, specs, and every chunk of a small model);
+  larger files count by size only, so this stays fast on T5-XXL-sized
+  checkpoints. None for random models, n-grams and remote (URL) paths.
+  """
+  if spec.checkpoint is None:
+    return None
+  path = resolve_checkpoint(spec.checkpoint)
+  if "://" in path or not os.path.exists(path):
+    return None
+  digest = hashlib.sha256()
+  files = ([path] if os.path.isfile(path) else
+           sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names))
+  for f in files:
+    size = os.path.getsize(f)
+    digest.update(f"{os.path.relpath(f, path)}\0{size}\0".encode())
+    if size <= small_file_bytes:
+      with open(f, "rb") as fh:
+        digest.update(fh.read())
+  return digest.hexdigest()[:16]
 
 
 def check_checkpoint(spec: ModelSpec, role: str) -> None:

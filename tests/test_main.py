@@ -232,6 +232,30 @@ def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
     experiment.ExperimentConfig(target=spec, draft=spec, task="toy_reverse", gamma=0)
 
 
+def test_checkpoint_retrained_in_place_is_not_resumed(tmp_path):
+  """Same config, same checkpoint path, different weights: refuse to mix predictions."""
+  model, params = model_specs.load(model_specs.ModelSpec(preset="t5_1_1_mini", seed=0,
+                                                        config={"vocab_size": 259}),
+                                   model_specs.LoadContext("target"))
+  path = str(tmp_path / "target")
+  checkpoints.save(path, model.config, params, format="t5x")
+  spec = model_specs.ModelSpec(checkpoint=path)
+  first = model_specs.checkpoint_fingerprint(spec)
+  assert first == model_specs.checkpoint_fingerprint(spec)  # stable
+  assert model_specs.checkpoint_fingerprint(model_specs.ModelSpec(preset="t5_1_1_mini")) is None
+  out = str(tmp_path / "run")
+  ckpt = [f"target/ModelSpec.checkpoint = '{path}'", "NUM_EXAMPLES = 2"]
+  main.run([TOY], SMALL + ckpt, out, show_progress=False)
+  main.run([TOY], SMALL + ckpt, out, show_progress=False)  # unchanged: resumes
+  retrained = jax.tree.map(lambda x: x * 1.01, params)
+  import shutil
+  shutil.rmtree(path)
+  checkpoints.save(path, model.config, retrained, format="t5x")
+  assert model_specs.checkpoint_fingerprint(spec) != first
+  with pytest.raises(ValueError, match="different experiment.*checkpoint_fingerprints"):
+    main.run([TOY], SMALL + ckpt, out, show_progress=False)
+
+
 def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
   out = str(tmp_path / "mesh")
   main.run([TOY], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
