@@ -113,14 +113,9 @@ def _tiny(draft: str, fit_examples: int) -> Setup:
 
 
 def _demo(task: str, draft: str, demo_dir: str, fit_examples: int) -> Setup:
-  files = ["configs/demo/ende_experiment.gin"]
+  files = [f"configs/demo/{task}_experiment.gin"]
   target = os.path.join(demo_dir, f"{task}_target")
   bindings = [f"target/ModelSpec.checkpoint = {_q(target)}"]
-  if task != "ende":
-    name, inputs, targets = DEMO_TASKS[task]
-    bindings += [f"MIXTURE_OR_TASK_NAME = {_q(name)}", f"INPUT_LENGTH = {inputs}",
-                 f"TARGET_LENGTH = {targets}",
-                 f"target/ModelSpec.name = 'demo {TASK_LABELS[task]} target'"]
   needed = [target]
   if draft in NGRAM_DRAFTS:
     files.append(f"gin/drafts/{draft}.gin")

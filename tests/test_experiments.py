@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, delay, paper_tables, reproduce,
-                         results_readme, setups)
+from experiments import (ablate, batch_scaling, benchmark, delay, demo_quality, paper_tables,
+                         reproduce, results_readme, setups)
 from spec_decode import decoding, theory
 from spec_decode.models.testing import MarkovDecoder
 
@@ -154,6 +154,9 @@ def test_demo_lengths_match_the_demo_configs():
     prefix = task.upper()
     assert re.search(rf"^{prefix}_INPUT_LENGTH = {inputs}$", text, re.M)
     assert re.search(rf"^{prefix}_TARGET_LENGTH = {targets}$", text, re.M)
+    run = open(os.path.join(setups.REPO_ROOT, "configs", "demo", f"{task}_experiment.gin")).read()
+    assert re.search(rf"^INPUT_LENGTH = {inputs}$", run, re.M)
+    assert re.search(rf"^TARGET_LENGTH = {targets}$", run, re.M)
 
 
 # ------------------------------------------------------------------ reproduce
@@ -178,7 +181,10 @@ def test_reproduce_tables_2_to_5_tiny(out):
                           "--fail_fast"])
   t2, t3, t4, t5 = (_json(paths[t]["json"])["rows"] for t in (2, 3, 4, 5))
   assert len(_rows(paths[2]["md"])) == len(t2) == len(paper_tables.TABLE2)
-  assert len(_rows(paths[3]["md"])) == len(t3) == len(paper_tables.TABLE3)
+  assert len(_rows(paths[3]["md"])) == len(t3) == len(paper_tables.TABLE3) + 2  # + distilled
+  distilled = [r for r in t3 if r["draft"].startswith("T5-small distilled")]
+  assert [r["target"] for r in distilled] == ["T5-XXL EnDe", "T5-XXL CNNDM"]
+  assert all(r["paper_t0"] is None and r["paper_t1"] is None for r in distilled)
   assert len(_rows(paths[4]["md"])) == len(t4) == len(paper_tables.TABLE4)
   assert len(_rows(paths[5]["md"])) == len(t5) == len(paper_tables.TABLE5)
   ran = [r for r in t2 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1)]
@@ -282,3 +288,26 @@ def test_results_readme(out):
   assert "Not measured here" in text
   for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
     assert os.path.exists(os.path.join(setups.REPO_ROOT, link)), link
+
+
+# ------------------------------------------------------------------ demo quality
+def test_demo_quality_scores_the_shipped_models(out, tmp_path):
+  """Two EnDe examples, two shipped models (a copied demo dir), the reference rows."""
+  import shutil
+  demo = tmp_path / "demo"
+  demo.mkdir()
+  for name in ("ende_target", "ende_small"):
+    shutil.copytree(os.path.join(setups.DEMO_DIR, name), demo / name)
+  paths = demo_quality.main(["--tasks", "ende", "--num_examples", "3", "--batch_size", "2",
+                             "--demo_models", str(demo), "--results_dir", out["results"]])
+  rows = {r[1]: r for r in _rows(paths["md"])}
+  assert set(rows) == {"reference sample", "reference mode", "ende_target", "ende_large",
+                       "ende_base", "ende_small", "ende_small_distilled"}
+  assert rows["ende_large"][-1] == "not shipped"
+  assert rows["ende_target"][2] == "3.69M" and rows["ende_small"][2] == "0.44M"
+  for name in ("reference sample", "reference mode", "ende_target", "ende_small"):
+    assert 0.0 <= float(rows[name][4]) <= 100.0 and rows[name][3] == "3"
+  doc = _json(paths["json"])
+  assert doc["meta"]["command"].startswith("python -m experiments.demo_quality --tasks ende")
+  with pytest.raises(SystemExit):
+    demo_quality.main(["--tasks", "fr"])
