@@ -8,8 +8,9 @@ r"""Runs one experiment from gin configs: autoregressive vs speculative decoding
 
 --gin_file (repeatable) and --gin.NAME=VALUE (or --gin_bindings='NAME = VALUE')
 work as in T5X; files are found relative to the working directory or the
-repository root. Without --gin_file, configs/default.gin runs (tiny random
-models on an offline task). The gin files bind `ExperimentConfig` (see
+repository root. Without --gin_file, configs/default.gin runs: the demo EnDe
+experiment on the shipped demo models (configs/demo/ende_experiment.gin).
+The gin files bind `ExperimentConfig` (see
 `spec_decode.experiment`), whose `target` and `draft` are `ModelSpec`s.
 
 Output directory (--output_dir; default /tmp/spec_decode/<last gin file's name>):
