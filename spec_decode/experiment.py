@@ -11,10 +11,12 @@ timed after compilation (the first call of each decoder is timed on its own
 and reported as compile time); `timing_repeats` > 1 takes the median of that
 many runs per batch. c is measured in the same run as the median
 single-token decode step of draft over target on one batch, timed inside a
-jitted loop of several steps (`timing.step_time`). Rows are appended to `predictions.jsonl` after every
-batch; a rerun with the same output_dir skips the examples already there, and
-the summary (`results.json`, `table_row.md`, see `spec_decode.report`) is
-always computed from all rows. See `spec_decode.results` for the files.
+jitted loop of several steps (`timing.step_time`). Rows are appended to
+`predictions.jsonl` after every batch; a rerun with the same output_dir skips
+the examples already there (refusing a changed config or a checkpoint changed
+in place), and the summary (`results.json`, `table_row.md`, see
+`spec_decode.report`) is always computed from all rows. See
+`spec_decode.results` for the files.
 """
 
 from __future__ import annotations
