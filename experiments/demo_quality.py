@@ -35,7 +35,8 @@ def _score(task: str, targets: Sequence[str], predictions: Sequence[str]) -> dic
   return metrics.rouge(targets, predictions)
 
 
-def _decode(path: str, enc, max_decode_len: int, batch_size: int) -> list[list[int]]:
+def _decode(path: str, enc, max_decode_len: int, batch_size: int) -> tuple[list[list[int]], int]:
+  """Greedy outputs of the checkpoint at `path` on enc, and its parameter count."""
   import numpy as np
 
   from spec_decode import checkpoints, decoding
@@ -50,7 +51,7 @@ def _decode(path: str, enc, max_decode_len: int, batch_size: int) -> list[list[i
       chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - n, axis=0)])
     out = decoding.autoregressive(model, params, chunk, max_decode_len=max_decode_len)
     rows += np.asarray(out.tokens)[:n].tolist()
-  return rows
+  return rows, model.num_params()
 
 
 def _references(task_name: str, n: int) -> dict[str, list[str]]:
@@ -80,22 +81,12 @@ def run(args) -> list[dict[str, Any]]:
                      "note": "not shipped"})
         continue
       print(f"{task}_{m}", flush=True)
-      tokens = _decode(path, enc, output_length, args.batch_size)
+      tokens, num_params = _decode(path, enc, output_length, args.batch_size)
       preds = [source.vocabulary.decode(t) for t in tokens]
       rows.append({"task": setups.TASK_LABELS[task], "model": f"{task}_{m}",
-                   "params": _params(path), "examples": len(examples),
+                   "params": num_params, "examples": len(examples),
                    **_score(task, targets, preds)})
   return rows
-
-
-def _params(path: str) -> int:
-  import numpy as np
-
-  from spec_decode import checkpoints
-  from spec_decode.models import t5
-  cfg = checkpoints.load(path, dtype="float32")[0]
-  return int(sum(np.prod(s.shape) for s in
-                 __import__("jax").tree_util.tree_leaves(t5.T5(cfg).param_shapes())))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
