@@ -5,7 +5,7 @@ r"""gamma and c sweeps of speculative decoding, measured against Theorem 3.8.
   python -m experiments.ablate --scale tiny --gammas 1-3 --added_c 1 --num_examples 2
 
 Draft variants: the drafts of --drafts as they are (their natural c), and the
---delay_draft wrapped in `experiments.delay.DelayedDecoder` once per
+--delay_draft wrapped in `spec_decode.models.delayed.DelayedDecoder` once per
 --added_c value x, its delay calibrated so that each draft call costs about
 x * T_p more (c ~ c0 + x); alpha stays that of the undelayed draft. For each
 variant and each gamma in --gammas, speculative decoding of the same
@@ -37,7 +37,7 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt
-from experiments.delay import DelayedDecoder
+from spec_decode.models.delayed import DelayedDecoder
 from spec_decode import timing
 
 
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            f"Delay mode {args.delay_mode}: " + (
                f"a chain of [{args.matmul_size}, {args.matmul_size}] matmuls per draft call"
                if args.delay_mode == "compute" else "a host-callback sleep per draft call")
-           + " (experiments/delay.py); the delay is calibrated to add about x * T_p per call.",
+           + " (spec_decode/models/delayed.py); the delay is calibrated to add about x * T_p per call.",
            f"Speedups: median over {args.repeats} rounds of autoregressive / speculative seconds "
            "on the same examples; c and T_verify/T_p are medians of per-round ratios of step "
            f"times measured {args.loop_steps} steps per jitted loop (no per-step dispatch)."] + \

@@ -35,7 +35,6 @@ What is computed how (all per device):
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -46,13 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from spec_decode import partitioning
+from spec_decode import decoding, partitioning
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.models import t5
-
-# The modules (the package re-exports functions under the same names).
-_ar = importlib.import_module("spec_decode.decoding.autoregressive")
-_spec = importlib.import_module("spec_decode.decoding.speculative")
 
 GiB = 1024 ** 3
 # Assumed memory per device (one TPU chip or one GPU), bytes.
@@ -166,18 +161,16 @@ def _decode_args(target, draft, mesh, *, batch, input_len, rules, draft_rules):
 
 def _compile(target, draft, mesh, *, batch, input_len, output_len, gamma, rules, draft_rules,
              sampling) -> ProgramMemory:
-  """Compiles the sharded decode (`decoding.speculative`'s, or `autoregressive`'s when
-  draft is None: the same impl and `sharded_jit` call) on abstract inputs."""
+  """Compiles the sharded decode (the runner's, for `Speculative(gamma)` or, when draft is
+  None, `Autoregressive()`: the program `decoding.run` executes) on abstract inputs."""
   args, shardings, bsh = _decode_args(target, draft, mesh, batch=batch, input_len=input_len,
                                       rules=rules, draft_rules=draft_rules)
-  if draft is None:
-    fn, static = _ar._autoregressive_impl, dict(model=target)
-  else:
-    fn = _spec._speculative_impl
-    static = dict(target=target, draft=draft, gamma=gamma, lenience=1.0,
-                  draft_rules=draft_rules)
-  jitted = partitioning.sharded_jit(fn, tuple(shardings), bsh, max_decode_len=output_len,
-                                    sampling=sampling, mesh=mesh, rules=rules, **static)
+  algorithm = decoding.Autoregressive() if draft is None else decoding.Speculative(gamma=gamma)
+  jitted, _ = decoding.runner.sharded(algorithm, target, draft, mesh,
+                                      batch_shape=(batch, input_len), max_decode_len=output_len,
+                                      sampling=sampling, rules=rules, draft_rules=draft_rules)
+  if draft is None:  # the runner's draft arguments are None without a draft
+    args = args[:1] + [None] + args[1:2] + [None] + args[2:]
   return ProgramMemory.of(jitted.lower(*args).compile())
 
 

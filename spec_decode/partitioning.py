@@ -251,32 +251,16 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int], rules: Rules | None = None)
 
 # ------------------------------------------------------------------ non-parameter arrays
 def encoder_output_axes(encoded) -> Any:
-  """Logical axes of a `t5.EncoderOutput` (hidden [B,S,D], mask [B,S]), else None."""
-  from spec_decode.models import t5  # local: partitioning must not need the model to import
-  if isinstance(encoded, t5.EncoderOutput):
-    return encoded.replace(hidden=("batch", "length", "embed"), mask=("batch", "length"))
-  if hasattr(encoded, "logical_axes"):
-    return encoded.logical_axes()
-  return None
+  """Logical axes of an encoder output that declares them (`logical_axes()`), else None."""
+  return encoded.logical_axes() if hasattr(encoded, "logical_axes") else None
 
 
 def cache_axes(cache) -> Any:
-  """Logical axes of a decoder cache, or None when its layout is unknown.
+  """Logical axes of a decoder cache that declares them (`logical_axes()`), else None.
 
-  `t5.DecodeCache`: K/V [B,L,N,H] -> ('batch','length','heads','kv'); the
-  encoder mask [B,S] and lengths [B] are batch-sharded. A cache type may
-  provide its own `logical_axes()`; any other cache is left to the compiler.
+  A cache without them is left to the compiler.
   """
-  from spec_decode.models import t5  # local: partitioning must not need the model to import
-  if isinstance(cache, t5.DecodeCache):
-    kv = ("batch", "length", "heads", "kv")
-    layers = lambda xs: tuple(kv for _ in xs)
-    return cache.replace(self_k=layers(cache.self_k), self_v=layers(cache.self_v),
-                         cross_k=layers(cache.cross_k), cross_v=layers(cache.cross_v),
-                         encoder_mask=("batch", "length"), lengths=("batch",))
-  if hasattr(cache, "logical_axes"):
-    return cache.logical_axes()
-  return None
+  return cache.logical_axes() if hasattr(cache, "logical_axes") else None
 
 
 def constrain(tree, logical_tree, mesh: Mesh | None, rules: Rules | None = None,

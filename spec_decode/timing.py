@@ -121,8 +121,9 @@ def _jitted_steps(model, steps: int, mesh, rules):
 
     def body(_, carry):
       cache, tokens, _ = carry
-      logits, cache = model.decode(params, cache, tokens)
-      cache = partitioning.constrain_cache(cache, model, mesh, rules).rewind(lengths)
+      out = model.decode(params, cache, tokens)
+      logits = out.logits
+      cache = partitioning.constrain_cache(out.cache, model, mesh, rules).rewind(lengths)
       return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
     logits = jnp.zeros(tokens.shape + (model.vocab_size,), jnp.float32)

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, delay, demo_quality, paper_tables,
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, paper_tables,
                          reproduce, results_readme, setups)
 from spec_decode import decoding, theory
+from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
 
 
@@ -67,8 +68,10 @@ def test_delayed_decoder_keeps_logits(mode, amount):
   params = model.wrap_params(ip, amount)
   cache = model.init_cache(params, model.encode(params, _ENC), 8)
   toks = jnp.array([[2, 3], [4, 5]], jnp.int32)
-  logits, new_cache = model.decode(params, cache, toks)
-  ref, ref_cache = inner.decode(ip, inner.init_cache(ip, inner.encode(ip, _ENC), 8), toks)
+  out = model.decode(params, cache, toks)
+  logits, new_cache = out.logits, out.cache
+  out = inner.decode(ip, inner.init_cache(ip, inner.encode(ip, _ENC), 8), toks)
+  ref, ref_cache = out.logits, out.cache
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref))
   np.testing.assert_array_equal(np.asarray(new_cache.lengths), np.asarray(ref_cache.lengths))
 
@@ -92,7 +95,7 @@ def test_delayed_decoder_work_survives_compilation():
   model = delay.DelayedDecoder(inner, mode="compute", matmul_size=8)
   params = model.wrap_params(ip, 3)
   cache = model.init_cache(params, model.encode(params, jnp.array([[2, 3]], jnp.int32)), 4)
-  text = jax.jit(lambda p, c, t: model.decode(p, c, t)[0]).lower(
+  text = jax.jit(lambda p, c, t: model.decode(p, c, t).logits).lower(
       params, cache, jnp.array([[2]], jnp.int32)).compile().as_text()
   assert " while(" in text and " dot(" in text  # the matmul chain was not optimized away
 

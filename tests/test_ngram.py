@@ -41,9 +41,12 @@ def test_decoder_protocol_chunks_and_rewind():
   cache = draft.init_cache(params, draft.encode(params, enc), 8)
   assert isinstance(cache, base.Cache) and cache.max_length == 8
   tokens = np.array([[0, 3, 4], [0, 5, 5]], np.int32)
-  whole, c_whole = draft.decode(params, cache, tokens)
-  l1, c = draft.decode(params, cache, tokens[:, :1])
-  l2, c = draft.decode(params, c, tokens[:, 1:])
+  out = draft.decode(params, cache, tokens)
+  whole, c_whole = out.logits, out.cache
+  out = draft.decode(params, cache, tokens[:, :1])
+  l1, c = out.logits, out.cache
+  out = draft.decode(params, c, tokens[:, 1:])
+  l2, c = out.logits, out.cache
   np.testing.assert_array_equal(np.concatenate([l1, l2], 1), whole)
   np.testing.assert_array_equal(c.lengths, [3, 3])
   np.testing.assert_array_equal(whole, np.asarray(params["log_probs"])[tokens])

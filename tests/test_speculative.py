@@ -430,13 +430,16 @@ def test_markov_decode_chunks_rewinds_match_forward():
   full = np.asarray(model.forward(params, enc, dec))
   cache = model.init_cache(params, model.encode(params, enc), 8)
   # Ragged: row 0 takes 1 token, row 1 takes 2 (its first two), via a rewind.
-  logits, cache = model.decode(params, cache, dec[:, :2])
+  out = model.decode(params, cache, dec[:, :2])
+  logits, cache = out.logits, out.cache
   np.testing.assert_array_equal(logits, full[:, :2])
   cache = cache.rewind(np.array([1, 2]))
   # Feed a wrong token at row 0's position 1, rewind, then re-feed the right ones.
-  _, cache = model.decode(params, cache, np.array([[4], [2]], np.int32))
+  out = model.decode(params, cache, np.array([[4], [2]], np.int32))
+  _, cache = out.logits, out.cache
   cache = cache.rewind(np.array([1, 2]))
-  logits, cache = model.decode(params, cache, np.stack([dec[0, 1:3], dec[1, 2:4]]))
+  out = model.decode(params, cache, np.stack([dec[0, 1:3], dec[1, 2:4]]))
+  logits, cache = out.logits, out.cache
   np.testing.assert_array_equal(logits[0], full[0, 1:3])
   np.testing.assert_array_equal(logits[1], full[1, 2:4])
   np.testing.assert_array_equal(cache.lengths, [3, 4])

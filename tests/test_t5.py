@@ -53,7 +53,8 @@ def test_incremental_decode_matches_forward(model_and_params, chunk):
   cache = model.init_cache(params, model.encode(params, enc), 12)
   pieces = []
   for start in range(0, dec.shape[1], chunk):
-    logits, cache = model.decode(params, cache, dec[:, start:start + chunk])
+    out = model.decode(params, cache, dec[:, start:start + chunk])
+    logits, cache = out.logits, out.cache
     pieces.append(logits)
   np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(cache.lengths, [dec.shape[1]] * 3)
@@ -68,17 +69,20 @@ def test_ragged_rows_after_rewind(model_and_params):
   # Fill 6 positions with unrelated tokens, then rewind rows to different lengths.
   junk = np.random.RandomState(9).randint(2, V, (3, 6)).astype(np.int32)
   junk[:, 0] = 0
-  _, cache = model.decode(params, cache, junk)
+  out = model.decode(params, cache, junk)
+  _, cache = out.logits, out.cache
   lengths = np.array([2, 4, 0], np.int32)
   # Re-feed each row's true prefix up to its length (per-row ragged writes).
   cache = cache.rewind(np.zeros(3, np.int32))
   for t in range(4):
     step_tokens = dec[:, t:t + 1]
-    _, stepped = model.decode(params, cache, step_tokens)
+    out = model.decode(params, cache, step_tokens)
+    _, stepped = out.logits, out.cache
     cache = stepped.rewind(np.minimum(cache.lengths + 1, lengths))
   np.testing.assert_array_equal(cache.lengths, lengths)
   chunk = np.stack([dec[b, lengths[b]:lengths[b] + 3] for b in range(3)])
-  logits, cache = model.decode(params, cache, chunk)
+  out = model.decode(params, cache, chunk)
+  logits, cache = out.logits, out.cache
   full = model.forward(params, enc, dec)
   expected = np.stack([full[b, lengths[b]:lengths[b] + 3] for b in range(3)])
   np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
@@ -178,7 +182,8 @@ class TestErrors:
 
   def test_tokens_beyond_cache_length(self, params):
     cache = self.model.init_cache(params, self.model.encode(params, np.array([[5, 6]])), 4)
-    _, cache = self.model.decode(params, cache, np.array([[0, 5, 6]]))
+    out = self.model.decode(params, cache, np.array([[0, 5, 6]]))
+    _, cache = out.logits, out.cache
     with pytest.raises(ValueError, match="overflows the cache"):
       self.model.decode(params, cache, np.array([[7, 8]]))
     with pytest.raises(ValueError, match="cache of length 4"):

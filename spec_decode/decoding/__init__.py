@@ -1,9 +1,22 @@
-"""Decoding algorithms over the `Decoder` protocol: autoregressive and speculative."""
+"""Decoding algorithms over the `Decoder` protocol, run by one runner.
 
-from spec_decode.decoding.autoregressive import autoregressive
+  decoding.run(decoding.Speculative(gamma=4), target, tparams, tokens, draft=d, draft_params=dp,
+               max_decode_len=64, sampling=decoding.Sampling(temperature=1.0), rng=key)
+  decoding.autoregressive(...), decoding.speculative(...)   # the same, as thin functions
+
+Algorithms, drafters and verifiers are registered by name (`registry`).
+"""
+
+from spec_decode.decoding import registry
+from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
+from spec_decode.decoding.drafters import Drafter, ModelDrafter
+from spec_decode.decoding.runner import Algorithm, row_keys, run
 from spec_decode.decoding.sampling import Sampling, sample_from
-from spec_decode.decoding.speculative import speculative
-from spec_decode.decoding.types import DecodeResult, DecodeStats
+from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Proposal,
+                                        Verdict)
+from spec_decode.decoding.verifiers import ChainVerifier, Verifier
 
-__all__ = ["autoregressive", "speculative", "Sampling", "sample_from", "DecodeResult",
-           "DecodeStats"]
+__all__ = ["Algorithm", "Autoregressive", "ChainVerifier", "Committed", "DecodeResult",
+           "DecodeStats", "Drafter", "ModelDrafter", "Proposal", "Sampling", "Speculative",
+           "Verdict", "Verifier", "autoregressive", "registry", "row_keys", "run", "sample_from",
+           "speculative"]

@@ -1,6 +1,11 @@
-"""Results of the decoders: tokens, lengths and per-row statistics."""
+"""What decoders return and what drafters and verifiers exchange.
+
+Axis letters: B batch, L max decode length, K proposed tokens, V vocab.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import flax.struct
 import jax
@@ -9,36 +14,51 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class DecodeStats:
-  """Per-row counters, each [B] unless stated.
+  """Named per-row counters; each algorithm declares its own (`Algorithm.init_stats`).
 
-  target_calls: target (decoder) invocations while the row was active.
-  draft_tokens: tokens the drafter proposed (gamma per speculative step).
-  accepted:     proposed tokens accepted by rejection sampling.
+  Every counter has the batch as its first axis: [B] totals, or [B, K] per
+  draft position, K being the algorithm's own maximum number of proposed
+  tokens. Read them as attributes (`stats.accepted`) or by name
+  (`stats.counters["accepted"]`). The speculative algorithms count:
+
+  target_calls: target (decoder) invocations while the row was active (also
+                the autoregressive baseline's only counter).
+  draft_tokens: tokens the drafter proposed.
+  accepted:     proposed tokens accepted by the verifier.
   decisions:    draft positions where an accept/reject decision was made
-                (min(n + 1, gamma) per step: every position up to and
-                including the first rejection); `accepted / decisions` is the
-                observed acceptance rate.
+                (every position up to and including the first rejection);
+                `accepted / decisions` is the observed acceptance rate.
   min_pq_sum:   sum over those same positions of sum_x min(p(x), q(x)), the
                 paper's beta (Cor. 3.6); `min_pq_sum / decisions` estimates alpha.
-  accepted_at:  [B, gamma] how often draft position i (0-based) was accepted.
-  decided_at:   [B, gamma] how often it was decided; accepted_at / decided_at is
-                the per-position acceptance rate ([B, 0] for autoregressive).
+  accepted_at:  [B, K] how often draft position i (0-based) was accepted.
+  decided_at:   [B, K] how often it was decided.
   """
-  target_calls: jax.Array
-  draft_tokens: jax.Array
-  accepted: jax.Array
-  decisions: jax.Array
-  min_pq_sum: jax.Array
-  accepted_at: jax.Array
-  decided_at: jax.Array
+  counters: Mapping[str, jax.Array]
+
+  def __getattr__(self, name: str):
+    counters = self.__dict__.get("counters")
+    if counters is not None and name in counters:
+      return counters[name]
+    raise AttributeError(f"DecodeStats has no counter {name!r}; it has "
+                         f"{sorted(counters) if counters is not None else []}")
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(sorted(self.counters))
 
   @classmethod
-  def zeros(cls, batch_size: int, gamma: int = 0) -> "DecodeStats":
-    z = jnp.zeros((batch_size,), jnp.int32)
-    per_position = jnp.zeros((batch_size, gamma), jnp.int32)
-    return cls(target_calls=z, draft_tokens=z, accepted=z, decisions=z,
-               min_pq_sum=jnp.zeros((batch_size,), jnp.float32),
-               accepted_at=per_position, decided_at=per_position)
+  def zeros(cls, batch_size: int, **shapes: tuple[tuple[int, ...], Any]) -> "DecodeStats":
+    """Counters named by `shapes`: name=(per-row shape, dtype), e.g. accepted=((), jnp.int32)."""
+    return cls({name: jnp.zeros((batch_size,) + tuple(shape), dtype)
+                for name, (shape, dtype) in shapes.items()})
+
+  def add(self, **increments: jax.Array) -> "DecodeStats":
+    """These counters plus the increments (names must exist)."""
+    unknown = set(increments) - set(self.counters)
+    if unknown:
+      raise ValueError(f"unknown counters {sorted(unknown)}; known: {self.names}")
+    return DecodeStats({k: v + increments[k].astype(v.dtype) if k in increments else v
+                        for k, v in self.counters.items()})
 
 
 @flax.struct.dataclass
@@ -47,3 +67,89 @@ class DecodeResult:
   tokens: jax.Array
   lengths: jax.Array
   stats: DecodeStats
+
+
+@flax.struct.dataclass
+class Proposal:
+  """A drafter's proposal: a chain, or a tree whose nodes are listed parents first.
+
+  tokens [B, K] int32: the proposed tokens (node i's token).
+  q      [B, K, V] float32: the draft distribution node i was drawn from (the
+         adjusted law at its parent), or None for a deterministic draft (the
+         verifier then treats each token as drawn from a point mass).
+  parent [B, K] int32: node i's parent index, -1 for a child of the last
+         committed token (the root); a chain has parent[i] = i - 1.
+  """
+  tokens: jax.Array
+  q: Any
+  parent: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.tokens.shape[1]
+
+  @classmethod
+  def chain(cls, tokens: jax.Array, q=None) -> "Proposal":
+    B, K = tokens.shape
+    return cls(tokens=tokens, q=q,
+               parent=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32) - 1, (B, K)))
+
+  def depths(self) -> jax.Array:
+    """[B, K] depth of each node (1 for a child of the root); parents come first."""
+    B, K = self.parent.shape
+    depth = jnp.zeros((B, K), jnp.int32)
+    for i in range(K):  # K is static and small
+      par = self.parent[:, i]
+      d = jnp.where(par < 0, 1, jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None],
+                                                    axis=1)[:, 0] + 1)
+      depth = depth.at[:, i].set(d)
+    return depth
+
+  def ancestor_mask(self) -> jax.Array:
+    """[B, K, K] bool: node j is node i or one of its ancestors."""
+    B, K = self.parent.shape
+    mask = jnp.zeros((B, K, K), bool)
+    eye = jnp.eye(K, dtype=bool)
+    for i in range(K):
+      par = jnp.maximum(self.parent[:, i], 0)
+      inherited = jnp.take_along_axis(mask, par[:, None, None], axis=1)[:, 0]  # [B, K]
+      row = jnp.where((self.parent[:, i] >= 0)[:, None], inherited, False) | eye[i][None]
+      mask = mask.at[:, i].set(row)
+    return mask
+
+
+@flax.struct.dataclass
+class Verdict:
+  """A verifier's decision for each row.
+
+  accepted [B] int32: n, how many proposed nodes are kept.
+  path     [B, K] int32: the kept nodes' indices in order (entries >= n unused);
+           a chain keeps 0 .. n - 1.
+  extra    [B] int32: the token drawn after the kept nodes (the correction
+           after a rejection, or the bonus token after a full acceptance).
+  decided  [B] int32: draft positions on which a decision was made.
+  beta     [B, K] float32: sum_x min(p(x), q(x)) at each proposed position
+           (the alpha estimator's terms; 1 where the draft equals the target).
+  """
+  accepted: jax.Array
+  path: jax.Array
+  extra: jax.Array
+  decided: jax.Array
+  beta: jax.Array
+
+
+@flax.struct.dataclass
+class Committed:
+  """The tokens a row has committed so far (read-only view for drafters).
+
+  tokens [B, R]: s_1, s_2, ... (R >= max_decode_len; junk past each length).
+  length [B]: m, tokens committed. it: scalar, the loop iteration.
+  `token_at(i)` is s_i with s_0 = BOS (i may be 0 .. m, per row).
+  """
+  tokens: jax.Array
+  length: jax.Array
+  it: jax.Array
+
+  def token_at(self, i: jax.Array) -> jax.Array:
+    prev = jnp.take_along_axis(self.tokens, jnp.maximum(i - 1, 0)[:, None], axis=1)[:, 0]
+    return jnp.where(i > 0, prev, 0)

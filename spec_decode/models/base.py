@@ -1,16 +1,92 @@
 """The Decoder protocol: what a decoding algorithm may ask of a model.
 
-Decoding algorithms (autoregressive, speculative, later tree drafts) depend on
-this protocol, never on a concrete class, so a T5, an n-gram table or a
+Decoding algorithms (autoregressive, speculative, tree drafts) depend on this
+protocol, never on a concrete class, so a T5, an n-gram table or a
 feature-level head can serve as target or drafter interchangeably.
+
+Token ids shared by every model: PAD = BOS = 0, EOS = 1.
+
+`decode(params, cache, tokens[B,T], *, positions=None, tree_mask=None)` appends
+T new tokens at each row's cache length (cache slots lengths .. lengths+T-1)
+and returns a `DecodeOutput` (logits, final hidden states, new cache):
+  positions [B, T] int: the sequence position of each new token (default
+      lengths + 0..T-1). In a draft tree a node sits at prefix length + depth,
+      which differs from its cache slot.
+  tree_mask [B, T, T] bool: which new tokens each new token may attend to
+      (default causal: j <= t). A tree passes "j is t or an ancestor of t".
+      Every new token always sees the whole cached prefix.
+After a tree is verified, `cache.keep(start, indices, count)` keeps the
+accepted path's entries in order, so the cache again holds one sequence.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+PAD_ID = 0
+BOS_ID = 0
+EOS_ID = 1
+
+
+def check_tokens(tokens, name: str, vocab_size: int) -> jax.Array:
+  """Validates a [B, T] integer token array at the Python API boundary; int32.
+
+  Ranks and dtypes are checked always; the id range only when the values are
+  concrete (not under jit tracing), where it costs one host transfer, and
+  fully addressable (a multi-host global array, of which a process holds only
+  its own rows, is not checked).
+  """
+  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+    tokens = np.asarray(tokens)
+  if tokens.ndim != 2:
+    raise ValueError(f"{name} must have shape [batch, length], got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
+  if tokens.shape[1] < 1 or tokens.shape[0] < 1:
+    raise ValueError(f"{name} must be non-empty, got shape {tokens.shape}")
+  if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
+    arr = np.asarray(tokens)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+      raise ValueError(f"{name} has token ids in [{lo}, {hi}], outside the vocabulary "
+                       f"[0, {vocab_size})")
+  return jnp.asarray(tokens, jnp.int32)
+
+
+def check_tree_args(tokens: jax.Array, positions, tree_mask):
+  """Validates decode's optional positions [B,T] and tree_mask [B,T,T]; returns them as arrays."""
+  B, T = tokens.shape
+  if positions is not None:
+    positions = jnp.asarray(positions)
+    if positions.shape != (B, T) or not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"positions must be an integer array of shape {(B, T)}, got "
+                       f"{positions.dtype} {positions.shape}")
+    positions = positions.astype(jnp.int32)
+  if tree_mask is not None:
+    tree_mask = jnp.asarray(tree_mask)
+    if tree_mask.shape != (B, T, T) or tree_mask.dtype != jnp.bool_:
+      raise ValueError(f"tree_mask must be a bool array of shape {(B, T, T)}, got "
+                       f"{tree_mask.dtype} {tree_mask.shape}")
+  return positions, tree_mask
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+  """What `decode` returns.
+
+  logits: [B, T, V] float32 next-token logits after each new token.
+  cache:  the cache with the T tokens appended (lengths + T).
+  hidden: [B, T, D] the final decoder states the logits are read from (after
+          the last norm), or None for models without features (n-gram tables).
+  """
+  logits: jax.Array
+  cache: Any
+  hidden: Any = None
 
 
 @runtime_checkable
@@ -24,13 +100,23 @@ class Cache(Protocol):
   def rewind(self, lengths: jax.Array) -> "Cache":
     """Sets each row's length; entries beyond it are ignored and later overwritten."""
 
+  def keep(self, start: jax.Array, indices: jax.Array, count: jax.Array) -> "Cache":
+    """Keeps entries start+indices[:, :count] as slots start..start+count-1; lengths = start+count."""
+
+  def logical_axes(self) -> Any:
+    """The cache's pytree with a tuple of logical axis names at each leaf."""
+
 
 class LengthCache:
   """Mixin for flax.struct caches whose rewind only moves the per-row `lengths` [B].
 
   Entries beyond a row's length stay in place; attention (or the lookup) never
-  reads them and later writes overwrite them, so a rewind is O(1).
+  reads them and later writes overwrite them, so a rewind is O(1). Subclasses
+  name their per-position arrays (cache position on axis 1) in
+  `POSITION_FIELDS`; `keep` gathers those.
   """
+
+  POSITION_FIELDS: tuple[str, ...] = ()
 
   @property
   def batch_size(self) -> int:
@@ -43,6 +129,36 @@ class LengthCache:
       raise ValueError(f"rewind lengths must have shape {self.lengths.shape}, "
                        f"got {lengths.shape}")
     return self.replace(lengths=lengths)
+
+  def keep(self, start, indices, count):
+    """Keeps a subset of the entries written after `start`, in order (a tree's accepted path).
+
+    start [B]: each row's length before the last write; indices [B, K]: which of
+    the entries written at slots start .. start + T - 1 to keep (0-based, into
+    that write), in the order to keep them; count [B] <= K: how many of them.
+    Slot start + i then holds entry start + indices[i]; lengths = start + count.
+    """
+    start = jnp.asarray(start, jnp.int32)
+    indices = jnp.asarray(indices, jnp.int32)
+    count = jnp.asarray(count, jnp.int32)
+    B = self.batch_size
+    if start.shape != (B,) or count.shape != (B,) or indices.ndim != 2 \
+        or indices.shape[0] != B:
+      raise ValueError(f"keep needs start [{B}], indices [{B}, K] and count [{B}], got "
+                       f"{start.shape}, {indices.shape}, {count.shape}")
+    slots = start[:, None] + indices  # [B, K]
+
+    def move(x):
+      if x is None:
+        return x
+      idx = slots.reshape(slots.shape + (1,) * (x.ndim - 2))
+      picked = jnp.take_along_axis(x, jnp.minimum(idx, x.shape[1] - 1), axis=1)
+      write = lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at, axis=0)
+      return jax.vmap(write)(x, picked, start)
+
+    moved = {name: jax.tree_util.tree_map(move, getattr(self, name))
+             for name in self.POSITION_FIELDS}
+    return self.replace(lengths=start + count, **moved)
 
   def check_append(self, tokens) -> None:
     """Raises ValueError unless tokens [B, T] fit after every row's current length.
@@ -74,10 +190,11 @@ class Decoder(Protocol):
   def vocab_size(self) -> int: ...
 
   def encode(self, params: Any, encoder_tokens: jax.Array) -> Any:
-    """Per-example conditioning computed once (e.g. encoder states)."""
+    """Per-example conditioning computed once (e.g. encoder states); may have `logical_axes()`."""
 
   def init_cache(self, params: Any, encoded: Any, max_decode_len: int) -> Cache:
     """An empty cache with room for `max_decode_len` decoder tokens per row."""
 
-  def decode(self, params: Any, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
-    """Appends tokens [B, T] at each row's length; returns logits [B, T, V] float32."""
+  def decode(self, params: Any, cache: Cache, tokens: jax.Array, *, positions=None,
+             tree_mask=None) -> DecodeOutput:
+    """Appends tokens [B, T] at each row's length (see the module doc)."""

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.models import base
-from spec_decode.models.t5 import BOS_ID, EOS_ID, _check_tokens
+from spec_decode.models.base import BOS_ID, EOS_ID, check_tokens as _check_tokens
 
 LOG_ZERO = -1e9
 
@@ -90,12 +90,17 @@ class NGramDecoder:
     return NGramCache(lengths=jnp.zeros(encoded.shape[:1], jnp.int32),
                       max_len=int(max_decode_len))
 
-  def decode(self, params, cache: NGramCache, tokens) -> tuple[jax.Array, NGramCache]:
-    """Appends tokens [B, T]; returns logits [B, T, V] float32 (log-probabilities)."""
+  def decode(self, params, cache: NGramCache, tokens, *, positions=None,
+             tree_mask=None) -> base.DecodeOutput:
+    """Appends tokens [B, T]; logits [B, T, V] float32 (log-probabilities), no hidden states.
+
+    The logits of a position depend only on the token fed there, so positions
+    and a tree mask (validated) change nothing.
+    """
     self._check_params(params)
     tokens = _check_tokens(tokens, "tokens", self.vocab_size)
-    if tokens.shape[0] != cache.batch_size:
-      raise ValueError(f"tokens batch {tokens.shape[0]} != cache batch {cache.batch_size}")
+    base.check_tree_args(tokens, positions, tree_mask)
+    cache.check_append(tokens)
     return self._decode(params, cache, tokens)
 
   @functools.partial(jax.jit, static_argnums=0)
@@ -105,13 +110,14 @@ class NGramDecoder:
       logits = jnp.broadcast_to(table, tokens_BT.shape + (self.vocab_size,))
     else:
       logits = jnp.take(table, tokens_BT, axis=0)
-    return logits, cache.replace(lengths=cache.lengths + tokens_BT.shape[1])
+    return base.DecodeOutput(logits=logits,
+                             cache=cache.replace(lengths=cache.lengths + tokens_BT.shape[1]))
 
   def forward(self, params, encoder_tokens, decoder_input_tokens) -> jax.Array:
     """Teacher-forced logits [B, T, V] (decoder inputs start with BOS)."""
     encoded = self.encode(params, encoder_tokens)
     cache = self.init_cache(params, encoded, int(np.shape(decoder_input_tokens)[1]))
-    return self.decode(params, cache, decoder_input_tokens)[0]
+    return self.decode(params, cache, decoder_input_tokens).logits
 
 
 def counts(sequences: Iterable[Sequence[int]], *, order: int, vocab_size: int) -> np.ndarray:

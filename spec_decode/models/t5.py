@@ -31,9 +31,8 @@ from spec_decode.models import base
 
 Params = Mapping[str, Any]
 
-PAD_ID = 0
-BOS_ID = 0
-EOS_ID = 1
+PAD_ID, BOS_ID, EOS_ID = base.PAD_ID, base.BOS_ID, base.EOS_ID
+_check_tokens = base.check_tokens
 _NEG_INF = -1e10
 
 # name: (emb_dim, num_heads, num_encoder_layers, num_decoder_layers, head_dim, mlp_dim)
@@ -149,6 +148,9 @@ class EncoderOutput:
   hidden: jax.Array
   mask: jax.Array
 
+  def logical_axes(self) -> "EncoderOutput":
+    return self.replace(hidden=("batch", "length", "embed"), mask=("batch", "length"))
+
 
 @flax.struct.dataclass
 class DecodeCache(base.LengthCache):
@@ -167,9 +169,19 @@ class DecodeCache(base.LengthCache):
   encoder_mask: jax.Array
   lengths: jax.Array
 
+  POSITION_FIELDS = ("self_k", "self_v")
+
   @property
   def max_length(self) -> int:
     return self.self_k[0].shape[1]
+
+  def logical_axes(self) -> "DecodeCache":
+    """K/V [B,L,N,H] -> ('batch','length','heads','kv'); mask and lengths batch-sharded."""
+    kv = ("batch", "length", "heads", "kv")
+    layers = lambda xs: tuple(kv for _ in xs)
+    return self.replace(self_k=layers(self.self_k), self_v=layers(self.self_v),
+                        cross_k=layers(self.cross_k), cross_v=layers(self.cross_v),
+                        encoder_mask=("batch", "length"), lengths=("batch",))
 
 
 def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int,
@@ -214,31 +226,6 @@ def _write_rows(cache_BLNH, new_BTNH, offsets_B):
   """Writes new_BTNH into each row of cache_BLNH at that row's own offset."""
   write = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0))
   return jax.vmap(write)(cache_BLNH, new_BTNH.astype(cache_BLNH.dtype), offsets_B)
-
-
-def _check_tokens(tokens, name: str, vocab_size: int):
-  """Validates a [B, T] integer token array at the Python API boundary.
-
-  Ranks and dtypes are checked always; the id range only when the values are
-  concrete (not under jit tracing), where it costs one host transfer, and
-  fully addressable (a multi-host global array, of which a process holds only
-  its own rows, is not checked).
-  """
-  if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
-    tokens = np.asarray(tokens)
-  if tokens.ndim != 2:
-    raise ValueError(f"{name} must have shape [batch, length], got shape {tokens.shape}")
-  if not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
-  if tokens.shape[1] < 1 or tokens.shape[0] < 1:
-    raise ValueError(f"{name} must be non-empty, got shape {tokens.shape}")
-  if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
-    arr = np.asarray(tokens)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-      raise ValueError(f"{name} has token ids in [{lo}, {hi}], outside the vocabulary "
-                       f"[0, {vocab_size})")
-  return jnp.asarray(tokens, jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,29 +388,48 @@ class T5:
         cross_k=tuple(cross_k), cross_v=tuple(cross_v),
         encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
 
-  def decode(self, params: Params, cache: DecodeCache, tokens) -> tuple[jax.Array, DecodeCache]:
-    """Appends tokens [B, T] at each row's cache length; returns float32 logits [B, T, V].
+  def decode(self, params: Params, cache: DecodeCache, tokens, *, positions=None,
+             tree_mask=None) -> base.DecodeOutput:
+    """Appends tokens [B, T] at each row's cache length (slots lengths .. lengths + T - 1).
 
-    Query t of row b sits at position lengths[b] + t and attends to cache
-    positions <= its own. The returned cache has lengths + T.
+    By default token t of row b sits at position lengths[b] + t and attends to
+    the cached prefix and to new tokens j <= t. `positions` [B, T] and
+    `tree_mask` [B, T, T] override the new tokens' positions (relative-position
+    buckets come from them) and which new tokens each one sees (see
+    `models.base`). Returns float32 logits [B, T, V], the final decoder states
+    [B, T, D] and the cache with lengths + T.
     """
     tokens = _check_tokens(tokens, "tokens", self.config.vocab_size)
+    positions, tree_mask = base.check_tree_args(tokens, positions, tree_mask)
     cache.check_append(tokens)
-    return self._decode(params, cache, tokens)
+    return self._decode(params, cache, tokens, positions, tree_mask)
 
   @functools.partial(jax.jit, static_argnums=0)
-  def _decode(self, params, cache: DecodeCache, tokens):
+  def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None):
     c = self.config
     dec = params["decoder"]
     B, T = tokens.shape
     L = cache.max_length
     offsets = cache.lengths
-    q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :]
-    k_pos_L = jnp.arange(L)
-    self_bias = self._relpos_bias(dec["relpos_bias"]["rel_embedding"],
-                                  k_pos_L[None, None, :] - q_pos_BT[:, :, None],
+    slot_L = jnp.arange(L)
+    if positions is None and tree_mask is None:  # a chain: slot == position, causal
+      q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :]
+      rel_BTL = slot_L[None, None, :] - q_pos_BT[:, :, None]
+      self_mask = slot_L[None, None, :] <= q_pos_BT[:, :, None]  # [B, T, L]
+    else:
+      q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :] if positions is None else positions
+      if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+      new_j_BL = slot_L[None, :] - offsets[:, None]  # which new token a slot holds
+      is_new_BL = (new_j_BL >= 0) & (new_j_BL < T)
+      j_BL = jnp.clip(new_j_BL, 0, T - 1)
+      k_pos_BL = jnp.where(is_new_BL, jnp.take_along_axis(q_pos_BT, j_BL, axis=1), slot_L[None])
+      rel_BTL = k_pos_BL[:, None, :] - q_pos_BT[:, :, None]
+      sees_new_BTL = jnp.take_along_axis(tree_mask, jnp.broadcast_to(j_BL[:, None, :],
+                                                                     (B, T, L)), axis=2)
+      self_mask = (new_j_BL < 0)[:, None, :] | (is_new_BL[:, None, :] & sees_new_BTL)
+    self_bias = self._relpos_bias(dec["relpos_bias"]["rel_embedding"], rel_BTL,
                                   bidirectional=False)  # [B, N, T, L]
-    self_mask = k_pos_L[None, None, :] <= q_pos_BT[:, :, None]  # [B, T, L]
     cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
                                   (B, T, cache.encoder_mask.shape[1]))
     x = self._embed(params, tokens)
@@ -447,13 +453,22 @@ class T5:
       h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h)
     x = _rms_norm(x, dec["decoder_norm"]["scale"], c.layer_norm_epsilon)
+    return base.DecodeOutput(logits=self.logits_from_hidden(params, x),
+                             cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
+                                                 lengths=offsets + T),
+                             hidden=x)
+
+  def logits_from_hidden(self, params, x_BTD):
+    """The LM head: final decoder states [B, T, D] -> float32 logits [B, T, V]."""
+    c = self.config
+    x = x_BTD
     if c.logits_via_embedding:
       emb = params["token_embedder"]["embedding"].astype(c.dtype)
       logits = jnp.einsum("BTD,VD->BTV", x, emb) / math.sqrt(c.emb_dim)
     else:
-      logits = jnp.einsum("BTD,DV->BTV", x, dec["logits_dense"]["kernel"].astype(c.dtype))
-    cache = cache.replace(self_k=tuple(new_k), self_v=tuple(new_v), lengths=offsets + T)
-    return logits.astype(jnp.float32), cache
+      kernel = params["decoder"]["logits_dense"]["kernel"]
+      logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(c.dtype))
+    return logits.astype(jnp.float32)
 
   # ---------------------------------------------------------------- teacher forcing
   def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
@@ -470,5 +485,4 @@ class T5:
   def _forward(self, params, encoder_tokens, decoder_input_tokens):
     encoded = self._encode(params, encoder_tokens)
     cache = self._init_cache(params, encoded, decoder_input_tokens.shape[1])
-    logits, _ = self._decode(params, cache, decoder_input_tokens)
-    return logits
+    return self._decode(params, cache, decoder_input_tokens).logits

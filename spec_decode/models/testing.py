@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.decoding.sampling import Sampling
 from spec_decode.models import base
-from spec_decode.models.t5 import BOS_ID, EOS_ID, _check_tokens
+from spec_decode.models.base import BOS_ID, EOS_ID, check_tokens as _check_tokens
 
 
 @flax.struct.dataclass
@@ -40,6 +39,8 @@ class MarkovCache(base.LengthCache):
   history: jax.Array
   bias: jax.Array
   lengths: jax.Array
+
+  POSITION_FIELDS = ("history",)
 
   @property
   def max_length(self) -> int:
@@ -107,28 +108,45 @@ class MarkovDecoder:
                        bias=jnp.asarray(encoded, jnp.float32),
                        lengths=jnp.zeros((B,), jnp.int32))
 
-  def decode(self, params, cache: MarkovCache, tokens) -> tuple[jax.Array, MarkovCache]:
-    """Appends tokens [B, T] at each row's length; returns logits [B, T, V] float32."""
+  def decode(self, params, cache: MarkovCache, tokens, *, positions=None,
+             tree_mask=None) -> base.DecodeOutput:
+    """Appends tokens [B, T] at each row's length; logits [B, T, V] float32, no hidden states.
+
+    With a `tree_mask` [B, T, T] (ancestor-or-self among the new tokens) a
+    token's context is its own ancestors, then the cached prefix: the k-th
+    token back from new token t is the ancestor whose depth (number of
+    ancestors) is depth(t) - k, or the cached token at slot lengths + depth(t)
+    - k once that falls before the new tokens. `positions` carry no
+    information for a Markov chain beyond the mask and are only validated.
+    """
     self._check_params(params)
     tokens = _check_tokens(tokens, "tokens", self.vocab_size)
+    _, tree_mask = base.check_tree_args(tokens, positions, tree_mask)
     cache.check_append(tokens)
-    return self._decode(params, cache, tokens)
+    return self._decode(params, cache, tokens, tree_mask)
 
   @functools.partial(jax.jit, static_argnums=0)
-  def _decode(self, params, cache: MarkovCache, tokens_BT):
-    T = tokens_BT.shape[1]
+  def _decode(self, params, cache: MarkovCache, tokens_BT, tree_mask=None):
+    B, T = tokens_BT.shape
     offsets_B = cache.lengths
     write = lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,))
     history = jax.vmap(write)(cache.history, tokens_BT, offsets_B)
-    pos_BT = offsets_B[:, None] + jnp.arange(T)[None, :]
+    if tree_mask is None:
+      tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    depth_BT = jnp.sum(tree_mask, axis=2) - 1  # ancestors of each new token
     context = []
     for back in range(self.order - 1, -1, -1):  # oldest context token first
-      at = pos_BT - back
-      tok = jnp.take_along_axis(history, jnp.maximum(at, 0), axis=1)
-      context.append(jnp.where(at >= 0, tok, BOS_ID))
+      want_BT = depth_BT - back
+      # the ancestor of t at depth want (exactly one when want >= 0)
+      is_it_BTJ = tree_mask & (depth_BT[:, None, :] == want_BT[:, :, None])
+      from_tree = jnp.sum(jnp.where(is_it_BTJ, tokens_BT[:, None, :], 0), axis=2)
+      at = offsets_B[:, None] + want_BT  # cached slot once want < 0
+      from_cache = jnp.take_along_axis(history, jnp.maximum(at, 0), axis=1)
+      tok = jnp.where(want_BT >= 0, from_tree, jnp.where(at >= 0, from_cache, BOS_ID))
+      context.append(tok)
     logits_BTV = params["table"][tuple(context)] + cache.bias[:, None, :]
-    return logits_BTV.astype(jnp.float32), cache.replace(history=history,
-                                                         lengths=offsets_B + T)
+    return base.DecodeOutput(logits=logits_BTV.astype(jnp.float32),
+                             cache=cache.replace(history=history, lengths=offsets_B + T))
 
   def forward(self, params, encoder_tokens, decoder_input_tokens) -> jax.Array:
     """Teacher-forced logits [B, T, V] (decoder inputs start with BOS), like T5.forward."""
@@ -136,7 +154,7 @@ class MarkovDecoder:
                                          self.vocab_size)
     cache = self.init_cache(params, self.encode(params, encoder_tokens),
                             decoder_input_tokens.shape[1])
-    return self.decode(params, cache, decoder_input_tokens)[0]
+    return self.decode(params, cache, decoder_input_tokens).logits
 
 
 def perturbed(params: Any, seed: int, scale: float) -> Any:
@@ -162,7 +180,7 @@ def sequences(result) -> list[tuple[int, ...]]:
 
 
 def sequence_distribution(model, params, encoder_tokens, *, max_decode_len: int,
-                          sampling: Sampling,
+                          sampling,
                           max_prefixes: int = 100_000) -> list[dict[tuple[int, ...], float]]:
   """Exact law of the output of each row under `sampling`, by enumeration.
 
@@ -191,7 +209,7 @@ def sequence_distribution(model, params, encoder_tokens, *, max_decode_len: int,
   B = encoder_tokens.shape[0]
   encoded = model.encode(params, np.repeat(encoder_tokens, N, axis=0))
   cache = model.init_cache(params, encoded, L)
-  logits, _ = model.decode(params, cache, np.tile(inputs, (B, 1)))
+  logits = model.decode(params, cache, np.tile(inputs, (B, 1))).logits
   probs = np.asarray(sampling.probs(logits), np.float64).reshape(B, N, L, V)
   probs /= probs.sum(axis=-1, keepdims=True)
   out = []

@@ -1,6 +1,6 @@
 """An artificial-delay draft: any `Decoder` plus a fixed extra cost per decode call.
 
-The c sweep of `ablate.py` varies the draft's cost coefficient c = T_q / T_p
+The c sweep of `experiments/ablate.py` varies the draft's cost coefficient c = T_q / T_p
 continuously while keeping its distributions (so alpha) fixed:
 
   draft = DelayedDecoder(inner=small, mode="compute")
@@ -106,10 +106,11 @@ class DelayedDecoder:
   def init_cache(self, params, encoded, max_decode_len: int):
     return self.inner.init_cache(params["inner"], encoded, max_decode_len)
 
-  def decode(self, params, cache, tokens):
-    """The inner decode, then the delay; returns the inner logits unchanged."""
-    logits, cache = self.inner.decode(params["inner"], cache, tokens)
-    return self._delay(logits, params["delay"]), cache
+  def decode(self, params, cache, tokens, *, positions=None, tree_mask=None):
+    """The inner decode, then the delay; returns the inner outputs unchanged."""
+    out = self.inner.decode(params["inner"], cache, tokens, positions=positions,
+                            tree_mask=tree_mask)
+    return out.replace(logits=self._delay(out.logits, params["delay"]))
 
   @functools.partial(jax.jit, static_argnums=0)
   def _delay(self, logits, delay):

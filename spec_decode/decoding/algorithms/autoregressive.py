@@ -1,0 +1,82 @@
+"""The autoregressive baseline: one decoder call per token, in one jitted while_loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_decode.decoding import registry, runner
+from spec_decode.decoding.sampling import Sampling, draw
+from spec_decode.decoding.types import DecodeResult, DecodeStats
+from spec_decode.models.base import BOS_ID, EOS_ID
+
+
+@flax.struct.dataclass
+class _State:
+  """Loop state. step: scalar, tokens generated so far by active rows.
+
+  last [B]: the token fed next; tokens [B, L]; lengths [B]; done [B] bool.
+  """
+  step: jax.Array
+  last: jax.Array
+  tokens: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  cache: object
+  stats: DecodeStats
+
+
+@registry.algorithm("autoregressive")
+@dataclasses.dataclass(frozen=True)
+class Autoregressive(runner.Algorithm):
+  """One target call per token: the baseline every speedup is measured against."""
+
+  def init_stats(self, batch_size: int) -> DecodeStats:
+    return DecodeStats.zeros(batch_size, target_calls=((), jnp.int32))
+
+  def decode(self, ctx: runner.LoopContext) -> DecodeResult:
+    B, L = ctx.batch_size, ctx.max_decode_len
+    model, params, sampling = ctx.target, ctx.target_params, ctx.sampling
+
+    def body(s: _State) -> _State:
+      out = model.decode(params, s.cache, s.last[:, None])
+      cache = ctx.constrain_cache(out.cache, "target")
+      tok = draw(ctx.keys(s.step), sampling.probs(out.logits[:, 0]), greedy=sampling.greedy)
+      active = ~s.done
+      tok = jnp.where(active, tok, 0)
+      lengths = s.lengths + active.astype(jnp.int32)
+      return _State(step=s.step + 1, last=tok, tokens=s.tokens.at[:, s.step].set(tok),
+                    lengths=lengths, done=s.done | (tok == EOS_ID) | (lengths >= L),
+                    cache=cache, stats=s.stats.add(target_calls=active))
+
+    init = _State(step=jnp.int32(0), last=jnp.full((B,), BOS_ID, jnp.int32),
+                  tokens=jnp.zeros((B, L), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
+                  done=jnp.zeros((B,), bool), cache=ctx.start_cache("target", L),
+                  stats=self.init_stats(B))
+    init = init.replace(**ctx.constrain_batch(
+        dict(last=init.last, tokens=init.tokens, lengths=init.lengths, done=init.done,
+             stats=init.stats)))
+    s = jax.lax.while_loop(lambda s: (s.step < L) & ~jnp.all(s.done), body, init)
+    return DecodeResult(tokens=s.tokens, lengths=s.lengths, stats=s.stats)
+
+
+def autoregressive(model, params, encoder_tokens, *, max_decode_len: int,
+                   sampling: Sampling = Sampling(), rng=None,
+                   row_ids=None, mesh=None, rules=None) -> DecodeResult:
+  """Decodes up to `max_decode_len` tokens per row, one target call per token.
+
+  rng: PRNG key (required when temperature > 0). row_ids [B]: the ids that key
+  each row's randomness (default 0..B-1). Rows stop at EOS independently.
+
+  mesh: a `jax.sharding.Mesh` (see `partitioning.make_mesh`) to run sharded:
+  parameters, caches and encoder outputs are laid out by their logical axes
+  under `rules` (default T5X's), the batch over `data` when it divides
+  (replicated otherwise), and the result is batch-sharded. Inputs may already
+  be global arrays (several hosts). The tokens equal the unsharded ones.
+  """
+  return runner.run(Autoregressive(), model, params, encoder_tokens,
+                    max_decode_len=max_decode_len, sampling=sampling, rng=rng, row_ids=row_ids,
+                    mesh=mesh, rules=rules)

@@ -1,0 +1,217 @@
+"""Speculative decoding (Leviathan et al. 2023, Algorithm 1), batched and ragged, in one jit.
+
+Notation: a row's sequence is s_0 = BOS, s_1 .. s_m (m = tokens produced).
+At the top of each iteration the target cache holds s_0 .. s_{m-1} and s_m is
+fed next. One iteration, per row:
+
+  propose: the drafter proposes K tokens (a chain, or a tree whose node i has
+           parent[i]) with their draft laws q;
+  verify:  ONE target call on [s_m, proposal] (a tree gets positions m + depth
+           and an ancestor mask) gives p at the root and after every node; the
+           verifier accepts n nodes along one path and draws one extra token;
+  commit:  the row appends its own n + 1 tokens (cut at EOS or
+           max_decode_len); the target cache keeps s_m and the accepted path's
+           entries (for a chain that is a rewind) and the drafter updates its state.
+
+p and q are the *adjusted* distributions of the same `Sampling` (the paper's
+standardized sampling), so with an exact verifier the output is distributed
+exactly as the target's adjusted sampling; at temperature 0 it equals greedy
+decoding of the target. Finished rows keep computing but never change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_decode import theory
+from spec_decode.decoding import registry, runner
+from spec_decode.decoding.drafters import Drafter, ModelDrafter
+from spec_decode.decoding.sampling import Sampling
+from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
+from spec_decode.decoding.verifiers import ChainVerifier, Verifier
+from spec_decode.models.base import EOS_ID
+
+
+@flax.struct.dataclass
+class _State:
+  """Loop state.
+
+  it:     scalar iteration count (same for all rows; keys use it as the step).
+  out:    [B, L + K + 1] produced tokens s_1.. (junk beyond each row's length).
+  length: [B] m, tokens produced per row.
+  done:   [B] bool.
+  target_cache: holds s_0 .. s_{m-1}; draft: the drafter's state.
+  stats:  per-row DecodeStats.
+  """
+  it: jax.Array
+  out: jax.Array
+  length: jax.Array
+  done: jax.Array
+  target_cache: object
+  draft: object
+  stats: DecodeStats
+
+
+@registry.algorithm("speculative")
+@dataclasses.dataclass(frozen=True)
+class Speculative(runner.Algorithm):
+  """gamma tokens proposed per target call; lenience in (0, 1] (1 = exact; < 1 is lossy).
+
+  drafter: what proposes (default: the draft model, one token per call);
+  verifier: what accepts (default: token-level rejection sampling).
+  """
+  gamma: int = 4
+  lenience: float = 1.0
+  drafter: Drafter = ModelDrafter()
+  verifier: Verifier = ChainVerifier()
+
+  needs_draft = True
+
+  def __post_init__(self):
+    if not runner.is_int(self.gamma) or self.gamma < 1:
+      raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+    object.__setattr__(self, "gamma", int(self.gamma))
+    if not isinstance(self.lenience, (int, float)) or not 0.0 < self.lenience <= 1.0:
+      raise ValueError(f"lenience must be in (0, 1], got {self.lenience}")
+    object.__setattr__(self, "lenience", float(self.lenience))
+    if not isinstance(self.drafter, Drafter):
+      raise ValueError(f"drafter must be a decoding Drafter, got {type(self.drafter).__name__}")
+    if not isinstance(self.verifier, Verifier):
+      raise ValueError(f"verifier must be a decoding Verifier, got "
+                       f"{type(self.verifier).__name__}")
+    if self.lenience < 1.0 and not self.verifier.supports_lenience:
+      raise ValueError(f"{type(self.verifier).__name__} does not support lenience < 1")
+
+  @property
+  def max_proposal(self) -> int:
+    """K, the most tokens one proposal holds (per-position counters are [B, K])."""
+    return self.gamma
+
+  def check_models(self, target, draft) -> None:
+    self.drafter.check_models(target, draft)
+
+  def cache_room(self, max_decode_len: int) -> int:
+    # a frozen row (length L) still writes K + 1 slots per iteration
+    return max_decode_len + self.max_proposal + 1
+
+  def init_stats(self, batch_size: int) -> DecodeStats:
+    i, f, K = jnp.int32, jnp.float32, (self.max_proposal,)
+    return DecodeStats.zeros(batch_size, target_calls=((), i), draft_tokens=((), i),
+                             accepted=((), i), decisions=((), i), min_pq_sum=((), f),
+                             accepted_at=(K, i), decided_at=(K, i))
+
+  def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float]:
+    """Thm 3.8 (verify cost = one step) and the cost model charging the measured verify cost."""
+    tokens = float(theory.expected_tokens(alpha, self.gamma))
+    return {"thm_3_8": float(theory.walltime_improvement(alpha, self.gamma, c)),
+            "cost_model": tokens / (self.gamma * c + verify_ratio),
+            "expected_tokens": tokens}
+
+  def decode(self, ctx: runner.LoopContext) -> DecodeResult:
+    B, L, g = ctx.batch_size, ctx.max_decode_len, self.gamma
+    K = self.max_proposal
+    room = self.cache_room(L)
+    target, params, sampling = ctx.target, ctx.target_params, ctx.sampling
+
+    def body(s: _State) -> _State:
+      keys = ctx.keys(s.it)
+      split = jax.vmap(lambda k: jax.random.split(k, g + 2))(keys)  # [B, g + 2, key]
+      draft_keys, accept_keys, correct_keys = split[:, :g], split[:, g], split[:, g + 1]
+      m = s.length
+      active = ~s.done
+      committed = Committed(tokens=s.out, length=m, it=s.it)
+
+      proposal, draft_state = self.drafter.propose(ctx, s.draft, committed, draft_keys, g)
+      target_in = jnp.concatenate([committed.token_at(m)[:, None], proposal.tokens], axis=1)
+      if self.verifier.chain_only:
+        out = target.decode(params, s.target_cache, target_in)
+      else:
+        depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), proposal.depths()], axis=1)
+        tree = proposal.ancestor_mask()  # among the nodes; every node sees s_m
+        mask = jnp.concatenate([jnp.zeros((B, 1, K), bool), tree], axis=1)
+        mask = jnp.concatenate([jnp.ones((B, K + 1, 1), bool), mask], axis=2)
+        out = target.decode(params, s.target_cache, target_in, positions=m[:, None] + depth,
+                            tree_mask=mask)
+      target_cache = ctx.constrain_cache(out.cache, "target")
+      p = sampling.probs(out.logits)  # [B, K + 1, V]
+      verdict = self.verifier.verify(p, proposal, accept_keys, correct_keys, sampling=sampling,
+                                     lenience=self.lenience)
+      n = verdict.accepted
+
+      # New tokens: the accepted path, then the extra token; cut after the first EOS and at L.
+      j = jnp.arange(K + 1)[None, :]
+      path_tokens = jnp.take_along_axis(proposal.tokens, verdict.path, axis=1)
+      path_ext = jnp.concatenate([path_tokens, jnp.zeros_like(path_tokens[:, :1])], axis=1)
+      new = jnp.where(j < n[:, None], path_ext, jnp.where(j == n[:, None],
+                                                          verdict.extra[:, None], 0))
+      is_eos = (new == EOS_ID) & (j <= n[:, None])
+      first_eos = jnp.min(jnp.where(is_eos, j, K + 1), axis=1)
+      count = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), L - m)
+      count = jnp.where(active, count, 0)
+      new_length = m + count
+      write = lambda row, vals, at: jax.lax.dynamic_update_slice(row, vals, (at,))
+      out_tokens = jax.vmap(write)(s.out, new, m)
+      done = s.done | (active & ((first_eos < count) | (new_length >= L)))
+
+      if self.verifier.chain_only:
+        target_cache = target_cache.rewind(new_length)
+      else:  # keep s_m (entry 0) and the accepted nodes (entries path + 1), in order
+        kept = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path + 1], axis=1)
+        target_cache = target_cache.keep(m, kept, count)
+      committed = Committed(tokens=out_tokens, length=new_length, it=s.it)
+      draft_state = self.drafter.commit(ctx, draft_state, committed, verdict, proposal)
+
+      decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]
+      accepted_at = (j[:, :K] < n[:, None]) & active[:, None]
+      a = active.astype(jnp.int32)
+      stats = s.stats.add(target_calls=a, draft_tokens=proposal.size * a, accepted=n * a,
+                          decisions=verdict.decided * a,
+                          min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
+                          accepted_at=accepted_at, decided_at=decided_at)
+      return _State(it=s.it + 1, out=out_tokens, length=new_length, done=done,
+                    target_cache=target_cache, draft=draft_state, stats=stats)
+
+    init = _State(it=jnp.int32(0), out=jnp.zeros((B, room), jnp.int32),
+                  length=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+                  target_cache=ctx.start_cache("target", room),
+                  draft=self.drafter.init(ctx, room), stats=self.init_stats(B))
+    init = init.replace(**ctx.constrain_batch(
+        dict(out=init.out, length=init.length, done=init.done, stats=init.stats)))
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, init)
+    tokens = jnp.where(jnp.arange(L)[None, :] < s.length[:, None], s.out[:, :L], 0)
+    return DecodeResult(tokens=tokens, lengths=s.length, stats=s.stats)
+
+
+def speculative(target, target_params, draft, draft_params, encoder_tokens, *, gamma: int,
+                max_decode_len: int, sampling: Sampling = Sampling(), rng=None,
+                lenience: float = 1.0, row_ids=None, draft_encoder_tokens=None, mesh=None,
+                rules=None, draft_rules=None) -> DecodeResult:
+  """Speculative decoding of up to `max_decode_len` tokens per row (`Speculative(gamma, lenience)`).
+
+  Both models implement the `Decoder` protocol and must share the vocabulary.
+  gamma: draft tokens per target call. draft_encoder_tokens: the draft's own
+  encoder input when it differs from the target's (another length or
+  tokenization of the same vocabulary); default the same tokens.
+
+  lenience: the paper's appendix A.5 (LOSSY). With l < 1 a draft token is
+  accepted with probability min(1, p / (l q)) and rejections resample from
+  norm(max(0, p - l q)): faster, but the output no longer follows the target's
+  distribution. 1 (the default) is exact.
+  rng, row_ids: as in `autoregressive` (per-row keys from (rng, row id, step)).
+
+  mesh: run sharded on this `jax.sharding.Mesh` (as in `autoregressive`).
+  The target is laid out by `rules` (default T5X's); the draft by
+  `draft_rules`, default `partitioning.data_parallel_rules(rules)`: its
+  parameters replicated on every device and only its batch sharded (a small
+  draft's weights fit everywhere, and model-parallel collectives would cost
+  more than its matmuls). Pass `draft_rules=rules` to shard it like the target.
+  """
+  return runner.run(Speculative(gamma=gamma, lenience=lenience), target, target_params,
+                    encoder_tokens, draft=draft, draft_params=draft_params,
+                    draft_encoder_tokens=draft_encoder_tokens, max_decode_len=max_decode_len,
+                    sampling=sampling, rng=rng, row_ids=row_ids, mesh=mesh, rules=rules,
+                    draft_rules=draft_rules)

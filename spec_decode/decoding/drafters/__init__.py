@@ -1,0 +1,44 @@
+"""Drafters: what proposes tokens for the target to verify.
+
+A drafter is a small frozen dataclass with three methods called inside the
+speculative loop's jit:
+
+  init(ctx, room) -> state                      its state (e.g. the draft model's cache)
+  propose(ctx, state, committed, keys, num) -> (Proposal, state)
+      propose up to `num` tokens after the committed ones (keys [B, num]
+      per-row PRNG keys), with their draft distributions q when sampled
+  commit(ctx, state, committed, verdict, proposal) -> state
+      after verification (`committed` holds the new tokens)
+
+Adding one: a new file here with a `Drafter` subclass under
+`@registry.drafter("name")`, plus its import line below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spec_decode.decoding.types import Committed, Proposal, Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """Base class; see the module doc. needs_model: whether it reads `ctx.draft`."""
+  needs_model = True
+
+  def check_models(self, target, draft) -> None:
+    """Raises ValueError when the models cannot serve this drafter."""
+
+  def init(self, ctx, room: int):
+    raise NotImplementedError
+
+  def propose(self, ctx, state, committed: Committed, keys, num: int) -> tuple[Proposal, object]:
+    raise NotImplementedError
+
+  def commit(self, ctx, state, committed: Committed, verdict: Verdict, proposal: Proposal):
+    return state
+
+
+from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  registration
+
+__all__ = ["Drafter", "ModelDrafter"]

@@ -1,0 +1,60 @@
+"""A draft model (any `Decoder`: a small T5, an n-gram table) proposing a chain.
+
+Invariants at each proposal, per row with m tokens committed (s_0 = BOS):
+the draft cache holds at least s_0 .. s_{m-2}; it is rewound to m - 1 and fed
+[s_{m-1}, s_m] in one 2-token call (which also catches up on the last draft
+token when every proposal was accepted). On the first iteration (m = 0) it is
+fed [s_0] alone. Then num - 1 single-token calls in a lax.scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_decode.decoding import registry
+from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.types import Committed, Proposal
+
+
+@registry.drafter("model")
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter(Drafter):
+  """Proposes x_1..x_num ~ q_1..q_num from the draft model, one token per call."""
+
+  def init(self, ctx, room: int):
+    return ctx.start_cache("draft", room)
+
+  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
+    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+    m = committed.length
+    last = committed.token_at(m)
+
+    def first_call():
+      out = draft.decode(params, cache, last[:, None])
+      return out.logits[:, -1], out.cache
+
+    def catch_up_call():
+      tokens = jnp.stack([committed.token_at(m - 1), last], axis=1)
+      out = draft.decode(params, cache.rewind(m - 1), tokens)
+      return out.logits[:, -1], out.cache
+
+    logits, cache = jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+    q1 = sampling.probs(logits)
+    x1 = draw(keys_BK[:, 0], q1, greedy=sampling.greedy)
+
+    def step(carry, key_B):
+      cache, x = carry
+      out = draft.decode(params, cache, x[:, None])
+      q = sampling.probs(out.logits[:, 0])
+      x = draw(key_B, q, greedy=sampling.greedy)
+      return (out.cache, x), (x, q)
+
+    cache = ctx.constrain_cache(cache, "draft")
+    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), jnp.swapaxes(keys_BK[:, 1:], 0, 1))
+    x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
+    q = jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    return Proposal.chain(x, q), ctx.constrain_cache(cache, "draft")

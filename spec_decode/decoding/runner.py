@@ -1,0 +1,243 @@
+"""The one runner of every decoding algorithm.
+
+Input checks, per-row PRNG keys (rng, row id, step), the unsharded and the
+sharded jit, sharding constraints of caches and loop state live here; an
+`Algorithm` (a small frozen, hashable dataclass) holds only its loop. Adding an
+algorithm is one file with a subclass and its registration line:
+
+  @registry.algorithm("my_algo")
+  @dataclasses.dataclass(frozen=True)
+  class MyAlgo(runner.Algorithm):
+    needs_draft = True
+    def decode(self, ctx): ...          # the loop, inside jit
+    def init_stats(self, batch): ...    # its named counters
+
+and `decoding.run(MyAlgo(...), target, params, tokens, draft=..., ...)` runs it,
+unsharded or on a mesh, from Python, gin or the experiment layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_decode import partitioning
+from spec_decode.decoding.sampling import Sampling
+from spec_decode.decoding.types import DecodeResult, DecodeStats
+from spec_decode.models import base
+
+
+def row_keys(rng: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
+  """[B] keys, one per row, each a function of (rng, row id, step) only.
+
+  A row's randomness therefore never depends on its batch position or on its
+  neighbours; pass the same `row_ids` to decode a row alone and in a batch.
+  """
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(row_ids)
+
+
+def is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A decoding algorithm: its settings (hashable, jit-static) and its loop.
+
+  needs_draft: whether `run` must be given a draft model.
+  decode(ctx): the whole decode inside jit -> DecodeResult (see `LoopContext`).
+  init_stats(batch): its named per-row counters, zero.
+  cost_model(...): the speedup its cost model predicts, or None when it has none.
+  """
+  needs_draft: ClassVar[bool] = False
+
+  def check_models(self, target, draft) -> None:
+    """Raises ValueError when the models cannot serve this algorithm."""
+
+  def cache_room(self, max_decode_len: int) -> int:
+    """Cache slots each model needs for `max_decode_len` output tokens."""
+    return max_decode_len
+
+  def init_stats(self, batch_size: int) -> DecodeStats:
+    raise NotImplementedError(f"{type(self).__name__} declares no counters")
+
+  def decode(self, ctx: "LoopContext") -> DecodeResult:
+    raise NotImplementedError(f"{type(self).__name__} has no loop")
+
+  def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float] | None:
+    """Predicted speedups over autoregressive decoding, or None (no model)."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopContext:
+  """What an algorithm's loop sees inside jit (models, inputs, layout helpers).
+
+  target, draft: the models (draft None when the algorithm needs none) and
+  their params; encoder_tokens [B, S], draft_encoder_tokens [B, S'];
+  rng, row_ids [B]; max_decode_len L; sampling. With a mesh, `constrain_*`
+  lay tensors out by their logical axes (the target by `rules`, the draft by
+  `draft_rules`); without one they are the identity.
+  """
+  target: Any
+  target_params: Any
+  draft: Any
+  draft_params: Any
+  encoder_tokens: jax.Array
+  draft_encoder_tokens: Any
+  rng: jax.Array
+  row_ids: jax.Array
+  max_decode_len: int
+  sampling: Sampling
+  mesh: Any = None
+  rules: Any = None
+  draft_rules: Any = None
+
+  @property
+  def batch_size(self) -> int:
+    return self.encoder_tokens.shape[0]
+
+  def _model(self, role: str):
+    if role == "target":
+      return self.target, self.target_params, self.encoder_tokens, self.rules
+    if role == "draft":
+      return self.draft, self.draft_params, self.draft_encoder_tokens, self.draft_rules
+    raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+
+  def start_cache(self, role: str, room: int):
+    """Encodes the role's inputs once and returns its empty cache of `room` slots."""
+    model, params, tokens, rules = self._model(role)
+    encoded = model.encode(params, tokens)
+    encoded = partitioning.constrain(encoded, partitioning.encoder_output_axes(encoded),
+                                     self.mesh, rules)
+    return self.constrain_cache(model.init_cache(params, encoded, room), role)
+
+  def constrain_cache(self, cache, role: str):
+    model, _, _, rules = self._model(role)
+    return partitioning.constrain_cache(cache, model, self.mesh, rules)
+
+  def constrain_batch(self, tree):
+    return partitioning.constrain_batch(tree, self.mesh, self.rules)
+
+  def keys(self, step) -> jax.Array:
+    """[B] per-row keys of loop step `step`."""
+    return row_keys(self.rng, self.row_ids, step)
+
+
+def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_ids):
+  """Validates the public arguments of a decoder; returns normalized values."""
+  if not is_int(max_decode_len) or max_decode_len < 1:
+    raise ValueError(f"max_decode_len must be a positive int, got {max_decode_len!r}")
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
+  encoder_tokens = base.check_tokens(encoder_tokens, "encoder_tokens", model.vocab_size)
+  B = encoder_tokens.shape[0]
+  if rng is None:
+    if not sampling.greedy:
+      raise ValueError("rng is required when sampling with temperature > 0")
+    rng = jax.random.PRNGKey(0)
+  if row_ids is None:
+    row_ids = jnp.arange(B, dtype=jnp.int32)
+  else:
+    row_ids = jnp.asarray(row_ids, jnp.int32)
+    if row_ids.shape != (B,):
+      raise ValueError(f"row_ids must have shape ({B},), got {row_ids.shape}")
+  return encoder_tokens, int(max_decode_len), rng, row_ids
+
+
+def _impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids, *,
+          algorithm, target, draft, max_decode_len, sampling, mesh=None, rules=None,
+          draft_rules=None) -> DecodeResult:
+  ctx = LoopContext(target=target, target_params=target_params, draft=draft,
+                    draft_params=draft_params, encoder_tokens=encoder_tokens,
+                    draft_encoder_tokens=draft_encoder_tokens, rng=rng, row_ids=row_ids,
+                    max_decode_len=max_decode_len, sampling=sampling, mesh=mesh, rules=rules,
+                    draft_rules=draft_rules)
+  return algorithm.decode(ctx)
+
+
+_STATIC = ("algorithm", "target", "draft", "max_decode_len", "sampling")
+_unsharded = jax.jit(_impl, static_argnames=_STATIC)
+
+
+def resolve_rules(rules, draft_rules):
+  """Default layouts: the target by T5X's standard rules, the draft data-parallel."""
+  rules = partitioning.standard_logical_axis_rules() if rules is None else \
+      partitioning.validate_rules(rules)
+  draft_rules = partitioning.data_parallel_rules(rules) if draft_rules is None else \
+      partitioning.validate_rules(draft_rules)
+  return rules, draft_rules
+
+
+def sharded(algorithm: Algorithm, target, draft, mesh, *, batch_shape, max_decode_len: int,
+            sampling: Sampling, rules=None, draft_rules=None, target_params=None,
+            draft_params=None):
+  """(jitted fn over the six dynamic arguments, their input shardings) on `mesh`.
+
+  The arguments are (target_params, draft_params, encoder_tokens,
+  draft_encoder_tokens, rng, row_ids); draft ones are None without a draft.
+  Parameter trees may be given as arrays or shapes (for memory planning).
+  """
+  rules, draft_rules = resolve_rules(rules, draft_rules)
+  batch = partitioning.batch_sharding(mesh, batch_shape, rules)
+  in_shardings = (
+      partitioning.param_shardings(target, mesh, rules, params=target_params),
+      None if draft is None else partitioning.param_shardings(draft, mesh, draft_rules,
+                                                              params=draft_params),
+      batch, None if draft is None else batch, partitioning.replicated(mesh), batch)
+  fn = partitioning.sharded_jit(_impl, in_shardings, batch, algorithm=algorithm, target=target,
+                                draft=draft, max_decode_len=max_decode_len, sampling=sampling,
+                                mesh=mesh, rules=rules, draft_rules=draft_rules)
+  return fn, in_shardings
+
+
+def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=None,
+        draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
+        sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
+        draft_rules=None) -> DecodeResult:
+  """Decodes `encoder_tokens` [B, S] with `algorithm`; see `decoding.autoregressive`.
+
+  draft / draft_params: the drafter model when the algorithm needs one, with
+  its own draft_encoder_tokens (default encoder_tokens). mesh: run sharded
+  (target by `rules`, default T5X's; draft by `draft_rules`, default
+  data-parallel: replicated parameters, batch sharded); outputs equal the
+  unsharded ones.
+  """
+  if not isinstance(algorithm, Algorithm):
+    raise ValueError(f"algorithm must be a decoding Algorithm (e.g. decoding.Speculative(gamma="
+                     f"4)), got {type(algorithm).__name__}")
+  encoder_tokens, max_decode_len, rng, row_ids = check_inputs(
+      target, encoder_tokens, max_decode_len=max_decode_len, sampling=sampling, rng=rng,
+      row_ids=row_ids)
+  if algorithm.needs_draft:
+    if draft is None:
+      raise ValueError(f"{type(algorithm).__name__} needs a draft model (draft=...)")
+    if target.vocab_size != draft.vocab_size:
+      raise ValueError(f"target and draft vocabularies differ: target vocab_size "
+                       f"{target.vocab_size}, draft vocab_size {draft.vocab_size}")
+    if draft_encoder_tokens is None:
+      draft_encoder_tokens = encoder_tokens
+    draft_encoder_tokens = base.check_tokens(draft_encoder_tokens, "draft_encoder_tokens",
+                                             draft.vocab_size)
+    if draft_encoder_tokens.shape[0] != encoder_tokens.shape[0]:
+      raise ValueError(f"draft_encoder_tokens batch {draft_encoder_tokens.shape[0]} != "
+                       f"encoder_tokens batch {encoder_tokens.shape[0]}")
+  else:
+    if draft is not None or draft_params is not None or draft_encoder_tokens is not None:
+      raise ValueError(f"{type(algorithm).__name__} uses no draft model; do not pass one")
+    draft_encoder_tokens = None
+  algorithm.check_models(target, draft)
+  args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)
+  if mesh is None:
+    return _unsharded(*args, algorithm=algorithm, target=target, draft=draft,
+                      max_decode_len=max_decode_len, sampling=sampling)
+  fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,
+                             max_decode_len=max_decode_len, sampling=sampling, rules=rules,
+                             draft_rules=draft_rules, target_params=target_params,
+                             draft_params=draft_params)
+  return fn(*partitioning.put(args, in_shardings))

@@ -1,0 +1,36 @@
+"""Verifiers: turn the target's distributions and a proposal into accepted tokens.
+
+  verify(p [B, K+1, V], proposal, accept_keys [B], correct_keys [B], *,
+         sampling, lenience) -> Verdict
+
+p[:, i] is the target's adjusted law after the committed prefix and the
+proposal's first i tokens (for a tree: after node i - 1's path; p[:, 0] at
+the root). A verifier must keep the output distributed exactly as the
+target's (or say it is lossy: lenience < 1 is the paper's lenient variant).
+
+Adding one: a new file here with a `Verifier` subclass under
+`@registry.verifier("name")`, plus its import line below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from spec_decode.decoding.types import Proposal, Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+  """Base class; see the module doc. supports_lenience: accepts lenience < 1."""
+  supports_lenience: ClassVar[bool] = False
+  chain_only: ClassVar[bool] = True
+
+  def verify(self, p, proposal: Proposal, accept_keys, correct_keys, *, sampling,
+             lenience: float = 1.0) -> Verdict:
+    raise NotImplementedError
+
+
+from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
+
+__all__ = ["Verifier", "ChainVerifier"]

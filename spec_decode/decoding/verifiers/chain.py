@@ -1,0 +1,61 @@
+"""Token-level rejection sampling of a chain (Leviathan et al. 2023, Algorithm 1).
+
+Accept x_i while u_i * l * q_i(x_i) < p_i(x_i) (u_i ~ U(0, 1), l the
+lenience, 1 = exact); with n accepted, the extra token comes from
+norm(max(0, p_{n+1} - l q_{n+1})), with q_{K+1} := 0 so that it is p_{K+1}
+after a full acceptance. At temperature 0 p and q are one-hot and this is
+exact matching: the output equals greedy decoding of the target.
+A deterministic proposal (q None) is a point mass at each token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_decode.decoding import registry
+from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.types import Proposal, Verdict
+from spec_decode.decoding.verifiers import Verifier
+
+
+def take(probs_BKV, tokens_BK):
+  """probs[b, k, tokens[b, k]]."""
+  return jnp.take_along_axis(probs_BKV, tokens_BK[..., None], axis=-1)[..., 0]
+
+
+@registry.verifier("chain")
+@dataclasses.dataclass(frozen=True)
+class ChainVerifier(Verifier):
+  """Rejection sampling token by token; the first rejection ends the step."""
+  supports_lenience = True
+
+  def verify(self, p, proposal: Proposal, accept_keys, correct_keys, *, sampling,
+             lenience: float = 1.0) -> Verdict:
+    x = proposal.tokens
+    B, K = x.shape
+    q = proposal.q
+    if q is None:
+      q = jax.nn.one_hot(x, p.shape[-1], dtype=p.dtype)
+    if sampling.greedy:
+      # q is one-hot at x and p one-hot, so the test is p(x) = 1 whatever u < 1 is (and
+      # the random keys become dead code).
+      accept = take(p[:, :K], x) > 0
+    else:
+      u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(accept_keys)
+      accept = u * lenience * take(q, x) < take(p[:, :K], x)
+    n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
+
+    q_ext = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(q_ext, n[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_n - lenience * q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # mass == 0 only through rounding when p ~ q; p_n itself is then the right law.
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    extra = draw(correct_keys, residual, greedy=sampling.greedy)
+    beta = jnp.sum(jnp.minimum(p[:, :K] / lenience, q), axis=-1)  # [B, K]
+    return Verdict(accepted=n, path=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)),
+                   extra=extra, decided=jnp.minimum(n + 1, K), beta=beta)
