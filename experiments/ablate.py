@@ -37,8 +37,8 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt
+from spec_decode import metrics, timing
 from spec_decode.models.delayed import DelayedDecoder
-from spec_decode import timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _stats(outs, n_rows: int) -> dict[str, float]:
   cat = lambda key: np.concatenate([np.asarray(getattr(r.stats, key)) for r in outs])[:n_rows]
   lengths = np.concatenate([np.asarray(r.lengths) for r in outs])[:n_rows]
   dec, calls = cat("decisions").sum(), cat("target_calls").sum()
-  return {"alpha": float(cat("min_pq_sum").sum() / dec) if dec else math.nan,
+  return {"alpha": metrics.alpha_estimate(min_pq_sum=cat("min_pq_sum"), decisions=dec),
           "alpha_observed": float(cat("accepted").sum() / dec) if dec else math.nan,
           "tokens": float(lengths.sum()),
           "tokens_per_call": float(lengths.sum() / calls) if calls else math.nan}

@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt, fmt_spread
-from spec_decode import timing
+from spec_decode import metrics, timing
 
 
 def _model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
@@ -128,7 +128,7 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
                  "tokens_per_second": toks / med["median"] if med["median"] > 0 else None}
   spec = last["speculative"]
   decisions = real(spec, "decisions")
-  out["alpha"] = real(spec, "min_pq_sum") / decisions if decisions else math.nan
+  out["alpha"] = metrics.alpha_estimate(min_pq_sum=real(spec, "min_pq_sum"), decisions=decisions)
   out["alpha_observed"] = real(spec, "accepted") / decisions if decisions else math.nan
   calls = real(spec, "target_calls")
   out["tokens_per_target_call"] = out["speculative"]["tokens"] / calls if calls else math.nan

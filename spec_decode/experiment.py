@@ -1,10 +1,14 @@
-"""One experiment: a target and a draft on N examples of a task, baseline vs speculative.
+"""One experiment: a target (and a draft) on N examples of a task, a baseline and named decoders.
 
   results = run_experiment(ExperimentConfig(
       target=ModelSpec(checkpoint=".../t5_1_1_xxl"), draft=ModelSpec(checkpoint=".../small"),
       task="wmt_t2t_ende_v003", gamma=7), output_dir="/tmp/ende_small")
 
-Both decoders run on the same batches with the same sampling settings, PRNG
+The decoders are `decoding` algorithms: by default the autoregressive
+baseline and `Speculative(gamma, lenience)` named "speculative"; any number of
+others can be named in `ExperimentConfig.decoders`, e.g. from gin
+  ExperimentConfig.decoders = {'g3': @g3/Speculative(), 'g5': @g5/Speculative()}
+Every decoder runs on the same batches with the same sampling settings, PRNG
 key and row ids (the example indices, so a row's randomness does not depend on
 its batch and a resumed run reproduces an uninterrupted one). Each batch is
 timed after compilation (the first call of each decoder is timed on its own
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import uuid
@@ -33,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import (data, decoding, distributed, model_specs, partitioning, report,
-                         results, theory, timing)
+from spec_decode import (data, decoding, distributed, metrics, model_specs, partitioning,
+                         report, results, theory, timing)
 from spec_decode.model_specs import LoadContext, ModelSpec
 
 
@@ -46,11 +51,15 @@ class ExperimentConfig:
   target, draft: the models. task, split, num_examples (None = the whole
   split): the data; feature_lengths: seqio input/target lengths (inputs are
   cut to fit); max_decode_len: default feature_lengths['targets'].
-  gamma, lenience: speculative decoding; gamma None picks it with
+  decoders: {name: decoding Algorithm}, the decoders compared with the baseline;
+  empty (the default) means {"speculative": Speculative(gamma, lenience)}, and
+  only then are gamma and lenience read: gamma None picks it with
   theory.optimal_gamma (up to max_gamma) from alpha and c measured on the first
-  gamma_warmup_examples examples (see `choose_gamma`); temperature, top_k, top_p: sampling,
-  the same for both decoders (temperature 0 = greedy). seed: the PRNG key.
-  run_baseline: also decode autoregressively (needed for the speedup).
+  gamma_warmup_examples examples (see `choose_gamma`). temperature, top_k, top_p:
+  sampling, the same for every decoder (temperature 0 = greedy). seed: the PRNG key.
+  run_baseline: also decode autoregressively (the baseline of every speedup),
+  as the decoder named "autoregressive". draft: the draft model of the decoders
+  that need one (None when none does).
   timing_repeats: timed runs per batch (median). step_timing_repeats: runs of
   each single-step measurement for c. logical_axis_rules: (logical, mesh axis)
   pairs placed before T5X's standard rules (so they override them), and
@@ -60,7 +69,7 @@ class ExperimentConfig:
   instead of gs://t5-data's; tfds_data_dir: where TFDS data is prepared.
   """
   target: ModelSpec
-  draft: ModelSpec
+  draft: ModelSpec | None
   task: str
   split: str = "validation"
   num_examples: int | None = 100
@@ -84,12 +93,30 @@ class ExperimentConfig:
   parameter_partitioning_dims: int = 1
   vocabulary: str | None = None
   tfds_data_dir: str | None = None
+  decoders: Mapping[str, decoding.Algorithm] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    for role in ("target", "draft"):
-      if not isinstance(getattr(self, role), ModelSpec):
-        raise ValueError(f"ExperimentConfig.{role} must be a ModelSpec, got "
-                         f"{type(getattr(self, role)).__name__}")
+    if not isinstance(self.target, ModelSpec):
+      raise ValueError(f"ExperimentConfig.target must be a ModelSpec, got "
+                       f"{type(self.target).__name__}")
+    if self.draft is not None and not isinstance(self.draft, ModelSpec):
+      raise ValueError(f"ExperimentConfig.draft must be a ModelSpec or None, got "
+                       f"{type(self.draft).__name__}")
+    if not isinstance(self.decoders, Mapping):
+      raise ValueError(f"ExperimentConfig.decoders must map names to decoding algorithms, got "
+                       f"{type(self.decoders).__name__}")
+    for name, algo in self.decoders.items():
+      if not isinstance(name, str) or not name or name == BASELINE:
+        raise ValueError(f"decoder names must be non-empty strings other than {BASELINE!r}, "
+                         f"got {name!r}")
+      if not isinstance(algo, decoding.Algorithm):
+        raise ValueError(f"ExperimentConfig.decoders[{name!r}] must be a decoding algorithm "
+                         f"(e.g. Speculative(gamma=4)), got {type(algo).__name__}")
+    object.__setattr__(self, "decoders", dict(self.decoders))
+    if self.decoders and self.gamma is None:
+      raise ValueError("gamma None (automatic choice) applies only to the default decoder; "
+                       "with ExperimentConfig.decoders set, give each Speculative its gamma")
+
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
     if self.gamma is not None and (not _is_int(self.gamma) or self.gamma < 1):
@@ -109,6 +136,8 @@ class ExperimentConfig:
       raise ValueError(f"max_decode_len must be an int >= 1 or None, got {self.max_decode_len!r}")
     if not 0.0 < self.lenience <= 1.0:
       raise ValueError(f"lenience must be in (0, 1], got {self.lenience}")
+    if self.draft is None and any(a.needs_draft for a in self.algorithms.values()):
+      raise ValueError("a decoder needs a draft model but ExperimentConfig.draft is None")
     decoding.Sampling(temperature=float(self.temperature), top_k=self.top_k,
                       top_p=float(self.top_p))  # validates them
 
@@ -121,9 +150,35 @@ class ExperimentConfig:
   def decode_len(self) -> int:
     return self.max_decode_len or self.feature_lengths["targets"]
 
+  @property
+  def algorithms(self) -> dict[str, decoding.Algorithm]:
+    """{name: algorithm}, the baseline ("autoregressive") first when it runs.
+
+    With gamma None the default decoder's gamma is a placeholder until
+    `choose_gamma` replaces the config with the chosen one.
+    """
+    out = {BASELINE: decoding.Autoregressive()} if self.run_baseline else {}
+    if self.decoders:
+      out.update(self.decoders)
+    else:
+      out[DEFAULT_DECODER] = decoding.Speculative(gamma=self.gamma or _PROBE_GAMMA,
+                                                  lenience=float(self.lenience))
+    return out
+
+  @property
+  def baseline(self) -> str | None:
+    return BASELINE if self.run_baseline else None
+
+  @property
+  def primary(self) -> str | None:
+    """The first decoder other than the baseline (the one the table row describes)."""
+    return next((n for n in self.algorithms if n != BASELINE), None)
+
   def to_json(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    d["target"], d["draft"] = self.target.to_json(), self.draft.to_json()
+    d["target"] = self.target.to_json()
+    d["draft"] = None if self.draft is None else self.draft.to_json()
+    d["decoders"] = {name: decoding.registry.describe(a) for name, a in self.decoders.items()}
     d["feature_lengths"] = dict(self.feature_lengths)
     d["logical_axis_rules"] = [list(r) for r in self.logical_axis_rules]
     return d
@@ -138,6 +193,11 @@ class ExperimentConfig:
 
 def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+BASELINE = "autoregressive"
+DEFAULT_DECODER = "speculative"
+_PROBE_GAMMA = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +224,8 @@ def _is_writer() -> bool:
 
 def setup(config: ExperimentConfig) -> _Setup:
   """Resolves the task, examples, mesh and models (local checkpoint paths checked first)."""
-  for role in ("target", "draft"):
+  roles = ("target",) if config.draft is None else ("target", "draft")
+  for role in roles:
     model_specs.check_checkpoint(getattr(config, role), role)
   task = data.get_task(config.task, **({"vocabulary": config.vocabulary}
                                        if config.vocabulary else {}),
@@ -189,57 +250,73 @@ def setup(config: ExperimentConfig) -> _Setup:
                              feature_lengths=config.feature_lengths)
     return [ex.target_tokens for ex in exs]
 
-  draft, dparams = model_specs.load(config.draft, LoadContext(
-      "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
+  draft = dparams = None
+  if config.draft is not None:
+    draft, dparams = model_specs.load(config.draft, LoadContext(
+        "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
   if mesh is not None:  # the decoders' layouts: target by T5X's rules, draft replicated
     tparams = partitioning.put(tparams, partitioning.param_shardings(
         target, mesh, config.rules, params=tparams))
-    dparams = partitioning.put(dparams, partitioning.param_shardings(
-        draft, mesh, partitioning.data_parallel_rules(config.rules), params=dparams))
+    if draft is not None:
+      dparams = partitioning.put(dparams, partitioning.param_shardings(
+          draft, mesh, partitioning.data_parallel_rules(config.rules), params=dparams))
   return _Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh)
 
 
 def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.DecodeResult]]:
+  """{name: (encoder tokens, row ids) -> DecodeResult}, one per configured algorithm."""
   cfg = s.config
   common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
                 rng=jax.random.PRNGKey(cfg.seed))
   if s.mesh is not None:
     common.update(mesh=s.mesh, rules=cfg.rules)
-  fns = {"speculative": lambda enc, ids: decoding.speculative(
-      s.target, s.target_params, s.draft, s.draft_params, enc, gamma=cfg.gamma,
-      lenience=cfg.lenience, row_ids=ids, **common)}
-  if cfg.run_baseline:
-    fns["autoregressive"] = lambda enc, ids: decoding.autoregressive(
-        s.target, s.target_params, enc, row_ids=ids, **common)
-  return fns
+
+  def make(algorithm):
+    drafts = dict(draft=s.draft, draft_params=s.draft_params) if algorithm.needs_draft else {}
+    return lambda enc, ids: decoding.run(algorithm, s.target, s.target_params, enc,
+                                         row_ids=ids, **drafts, **common)
+  return {name: make(a) for name, a in cfg.algorithms.items()}
+
+
+def _row_stats(stats: decoding.DecodeStats, r: int) -> dict[str, Any]:
+  """Row r's counters as JSON values (ints, floats, or lists for per-position ones)."""
+  out = {}
+  for name, v in stats.counters.items():
+    x = np.asarray(v)[r]
+    out[name] = x.tolist() if x.ndim else (float(x) if x.dtype.kind == "f" else int(x))
+  return out
 
 
 def _batch_rows(s: _Setup, batch: Sequence[data.Example], outputs: Mapping[str, Any],
                 seconds: Mapping[str, float], batch_key: str) -> list[dict]:
-  spec = outputs["speculative"]
-  ar = outputs.get("autoregressive")
-  tokens, lengths = np.asarray(spec.tokens), np.asarray(spec.lengths)
-  st = {k: np.asarray(getattr(spec.stats, k)) for k in
-        ("target_calls", "draft_tokens", "accepted", "decisions", "min_pq_sum")}
-  per_position = {k: np.asarray(getattr(spec.stats, k)) for k in ("accepted_at", "decided_at")}
+  """One row per example: its inputs and target, and each decoder's output, tokens,
+  length, counters and its batch's seconds (`outputs` maps decoder names to results)."""
   rows = []
   for r, ex in enumerate(batch):
-    spec_tokens = data.output_tokens(tokens[r], lengths[r])
-    row = {"index": ex.index, "inputs": ex.inputs, "target": ex.targets,
-           "spec_output": data.detokenize(s.vocabulary, spec_tokens), "spec_tokens": spec_tokens,
-           "spec_length": int(lengths[r]), "batch": batch_key, "batch_rows": len(batch),
-           "spec_batch_seconds": seconds["speculative"],
-           **{k: (float(v[r]) if k == "min_pq_sum" else int(v[r])) for k, v in st.items()},
-           **{k: v[r].tolist() for k, v in per_position.items()}}
-    if ar is not None:
-      ar_tokens = data.output_tokens(np.asarray(ar.tokens)[r], np.asarray(ar.lengths)[r])
-      row.update(ar_output=data.detokenize(s.vocabulary, ar_tokens), ar_tokens=ar_tokens,
-                 ar_length=len(ar_tokens),
-                 ar_target_calls=int(np.asarray(ar.stats.target_calls)[r]),
-                 identical=ar_tokens == spec_tokens,
-                 ar_batch_seconds=seconds["autoregressive"])
-    rows.append(row)
+    decoded = {}
+    for name, res in outputs.items():
+      tokens = data.output_tokens(np.asarray(res.tokens)[r], np.asarray(res.lengths)[r])
+      decoded[name] = {"output": data.detokenize(s.vocabulary, tokens), "tokens": tokens,
+                       "length": len(tokens), "batch_seconds": seconds[name],
+                       "stats": _row_stats(res.stats, r)}
+    rows.append({"index": ex.index, "inputs": ex.inputs, "target": ex.targets,
+                 "batch": batch_key, "batch_rows": len(batch), "decoders": decoded})
   return rows
+
+
+def _inputs(s: _Setup, batch: Sequence[data.Example]) -> tuple[jax.Array, jax.Array]:
+  """A batch's encoder tokens [B, S] and row ids [B] (the example indices), padded to
+  the batch size by repeating the last example, laid out on the mesh when there is one."""
+  cfg = s.config
+  B = cfg.batch_size
+  enc = data.encoder_batch(batch, batch_size=B, input_length=cfg.feature_lengths["inputs"])
+  ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
+  if s.mesh is None:
+    return jnp.asarray(enc), jnp.asarray(ids)
+  # Each process feeds only the rows its devices hold (all of them on one host).
+  rows = distributed.process_rows(s.mesh, B)
+  return (distributed.global_batch(enc[rows], s.mesh, B),
+          distributed.global_batch(ids[rows], s.mesh, B))
 
 
 def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, *,
@@ -252,20 +329,9 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
   """
   cfg = s.config
   fns = _decoders(s)
-  B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
+  B = cfg.batch_size
   batches = [todo[i:i + B] for i in range(0, len(todo), B)]
-
-  def inputs(batch):
-    enc = data.encoder_batch(batch, batch_size=B, input_length=S)
-    ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
-    if s.mesh is None:
-      return jnp.asarray(enc), jnp.asarray(ids)
-    # Each process feeds only the rows its devices hold (all of them on one host).
-    rows = distributed.process_rows(s.mesh, B)
-    return (distributed.global_batch(enc[rows], s.mesh, B),
-            distributed.global_batch(ids[rows], s.mesh, B))
-
-  first_call = {name: timing.timed(lambda f=f: f(*inputs(batches[0]))).median
+  first_call = {name: timing.timed(lambda f=f: f(*_inputs(s, batches[0]))).median
                 for name, f in fns.items()}
   run_id = uuid.uuid4().hex[:12]
   path = f"{output_dir}/{results.PREDICTIONS}"
@@ -277,8 +343,8 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
   compile_s = {}
   try:
     for b, batch in enumerate(batches):
-      enc, ids = inputs(batch)
-      outputs, seconds = {"encoder_tokens": enc}, {}
+      enc, ids = _inputs(s, batch)
+      outputs, seconds = {}, {}
       for name, f in fns.items():
         t = timing.timed(lambda f=f: f(enc, ids), repeats=cfg.timing_repeats)
         outputs[name], seconds[name] = t.result, t.median
@@ -297,27 +363,46 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
   return {"first_call_seconds": first_call, "compile_seconds": compile_s}
 
 
-def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, float]:
-  """Target and draft single-token step times on one batch, c, and the verify cost ratio."""
+def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
+  """Single-token step times of target and draft on one batch, c, and verify cost ratios.
+
+  verify_ratio_by_tokens[n] = T_verify(n) / T_p for every n = K + 1 some decoder
+  verifies at once (K its largest proposal); verify_ratio is the primary
+  decoder's (n = gamma + 1). Without a draft only the target step is timed.
+  """
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
-  enc = jnp.asarray(data.encoder_batch(batch, batch_size=cfg.batch_size,
-                                       input_length=cfg.feature_lengths["inputs"]))
-  length = cfg.decode_len + cfg.gamma + 1  # the speculative loop's cache size
+  enc, _ = _inputs(s, batch)
+  sizes = sorted({a.max_proposal + 1 for a in cfg.algorithms.values()
+                  if hasattr(a, "max_proposal")})
+  length = cfg.decode_len + max(sizes, default=1)  # the speculative loop's cache size
   kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh)
   rules = cfg.rules if s.mesh is not None else None
-  draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
   target_s = timing.step_time(s.target, s.target_params, enc, rules=rules, **kw)
-  draft_s = timing.step_time(s.draft, s.draft_params, enc, rules=draft_rules, **kw)
-  verify_s = timing.step_time(s.target, s.target_params, enc, num_tokens=cfg.gamma + 1,
-                              rules=rules, **kw)
-  return {"target_step_seconds": target_s, "draft_step_seconds": draft_s,
-          "verify_seconds": verify_s, "c": draft_s / target_s,
-          "verify_ratio": verify_s / target_s}
+  out: dict[str, Any] = {"target_step_seconds": target_s}
+  if s.draft is not None:
+    draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
+    draft_s = timing.step_time(s.draft, s.draft_params, enc, rules=draft_rules, **kw)
+    out.update(draft_step_seconds=draft_s, c=draft_s / target_s)
+  verify = {n: timing.step_time(s.target, s.target_params, enc, num_tokens=n, rules=rules, **kw)
+            for n in sizes}
+  out["verify_ratio_by_tokens"] = {str(n): v / target_s for n, v in verify.items()}
+  primary = cfg.algorithms.get(cfg.primary) if cfg.primary else None
+  if hasattr(primary, "max_proposal"):
+    out["verify_seconds"] = verify[primary.max_proposal + 1]
+    out["verify_ratio"] = out["verify_seconds"] / target_s
+  return out
 
 
 GAMMA_FILE = "gamma.json"
-_PROBE_GAMMA = 4
+
+
+def _broadcast(x):
+  """Process 0's value of a numpy array or scalar on every process (identity on one)."""
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+  return multihost_utils.broadcast_one_to_all(x)
 
 
 def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
@@ -326,39 +411,41 @@ def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
   alpha: the estimator (sum of beta over decided positions / decisions) of a
   speculative decode of the first `gamma_warmup_examples` examples with gamma 4
   (alpha does not depend on gamma); c: draft / target single-token step time on
-  one batch. The choice is written to output_dir/gamma.json and reused on resume.
+  one batch. The choice is written to output_dir/gamma.json and reused on
+  resume. Process 0 decides whether a recorded choice exists, so every process
+  either reads it or joins the same warm-up decodes.
   """
   path = f"{output_dir}/{GAMMA_FILE}"
-  if _is_writer() and os.path.exists(path):
-    with open(path) as f:
-      choice = json.load(f)
+  recorded = _is_writer() and os.path.exists(path)
+  if bool(_broadcast(np.bool_(recorded))):
+    choice = None
+    if _is_writer():
+      with open(path) as f:
+        choice = json.load(f)
   else:
     cfg = s.config
     probe = dataclasses.replace(s, config=dataclasses.replace(cfg, gamma=_PROBE_GAMMA))
     warmup = s.examples[:cfg.gamma_warmup_examples]
-    B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
-    decode = _decoders(probe)["speculative"]
+    decode = _decoders(probe)[DEFAULT_DECODER]
     sums = np.zeros(2)
-    for i in range(0, len(warmup), B):
-      batch = warmup[i:i + B]
-      enc = data.encoder_batch(batch, batch_size=B, input_length=S)
-      ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
-      if s.mesh is not None:
-        enc, ids = (partitioning.put(x, partitioning.batch_sharding(s.mesh, x.shape))
-                    for x in (enc, ids))
-      stats = distributed.gather(decode(enc, ids).stats)
+    for i in range(0, len(warmup), cfg.batch_size):
+      batch = warmup[i:i + cfg.batch_size]
+      stats = distributed.gather(decode(*_inputs(s, batch)).stats)
       n = len(batch)
       sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n])]
-    alpha = float(sums[0] / sums[1]) if sums[1] else 0.0
+    alpha = metrics.alpha_estimate(min_pq_sum=sums[0], decisions=sums[1])
+    if math.isnan(alpha):
+      raise ValueError(f"the {len(warmup)} warm-up examples made no draft decisions (every "
+                       "output ended at once), so alpha is unknown: set gamma explicitly or "
+                       "raise gamma_warmup_examples")
     c = measure_step_times(probe, repeats=cfg.step_timing_repeats)["c"]
     gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma))
     choice = {"gamma": gamma, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
               "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c))}
     if _is_writer():
       results.write_json(path, choice)
-  if jax.process_count() > 1:  # every process decodes with process 0's choice
-    from jax.experimental import multihost_utils
-    choice["gamma"] = int(multihost_utils.broadcast_one_to_all(np.int32(choice["gamma"])))
+  gamma = int(_broadcast(np.int32(choice["gamma"] if _is_writer() else 0)))
+  choice = dict(choice or {}, gamma=gamma)  # every process decodes with process 0's choice
   logging.info("gamma chosen: %s", choice)
   return choice
 
@@ -377,17 +464,15 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
   if _is_writer():
     # A checkpoint retrained in place must not resume the old model's predictions.
     fingerprints = {role: model_specs.checkpoint_fingerprint(getattr(config, role))
-                    for role in ("target", "draft")}
+                    for role in ("target", "draft") if getattr(config, role) is not None}
     results.check_config(output_dir, dict(config.to_json(), checkpoint_fingerprints=fingerprints),
                          may_differ=("num_examples", "timing_repeats", "step_timing_repeats"))
   rows = results.read_rows(path) if _is_writer() else {}
-  done = np.array([ex.index in rows for ex in s.examples], bool)
-  if jax.process_count() > 1:  # process 0's view of the output directory decides
-    from jax.experimental import multihost_utils
-    done = np.asarray(multihost_utils.broadcast_one_to_all(done))
+  # process 0's view of the output directory decides
+  done = np.asarray(_broadcast(np.array([ex.index in rows for ex in s.examples], bool)))
   todo = [ex for ex, d in zip(s.examples, done) if not d]
   gamma_choice = None
-  if config.gamma is None:
+  if config.gamma is None and not config.decoders:
     gamma_choice = choose_gamma(s, output_dir)
     s = dataclasses.replace(s, config=dataclasses.replace(config, gamma=gamma_choice["gamma"]))
   compile_times = {}  # this run's; empty when nothing was left to decode

@@ -65,8 +65,10 @@ def register_gin() -> None:
     return
   import gin
 
-  from spec_decode import experiment, model_specs
+  from spec_decode import decoding, experiment, model_specs
   gin.external_configurable(experiment.ExperimentConfig, "ExperimentConfig")
+  for cls in decoding.registry.all_classes():  # algorithms, drafters, verifiers
+    gin.external_configurable(cls, cls.__name__)
   gin.external_configurable(model_specs.ModelSpec, "ModelSpec")
   from spec_decode import train
   gin.external_configurable(train.TrainConfig, "TrainConfig")

@@ -73,6 +73,15 @@ def identical_fraction(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -
   return float(np.mean([list(x) == list(y) for x, y in zip(a, b)]))
 
 
+def alpha_estimate(*, min_pq_sum, decisions) -> float:
+  """The paper's alpha from counters: sum min_pq_sum / sum decisions (NaN without decisions).
+
+  The one place alpha is computed from `DecodeStats` (rows, runs or arrays of either).
+  """
+  n_dec = float(np.sum(np.asarray(decisions, np.float64)))
+  return float(np.sum(np.asarray(min_pq_sum, np.float64)) / n_dec) if n_dec else float("nan")
+
+
 def acceptance(*, accepted, decisions, min_pq_sum, target_calls, lengths) -> dict[str, float]:
   """Aggregate acceptance statistics over rows (each argument: per-row counts).
 
@@ -90,7 +99,7 @@ def acceptance(*, accepted, decisions, min_pq_sum, target_calls, lengths) -> dic
   nan = float("nan")
   return {
       "alpha_observed": float(acc.sum() / n_dec) if n_dec else nan,
-      "alpha_estimated": float(mpq.sum() / n_dec) if n_dec else nan,
+      "alpha_estimated": alpha_estimate(min_pq_sum=mpq, decisions=dec),
       "tokens_per_target_call": float(lens.sum() / n_calls) if n_calls else nan,
       "accepted_per_target_call": float(acc.sum() / n_calls) if n_calls else nan,
       "decisions": int(n_dec),

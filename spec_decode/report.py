@@ -2,51 +2,94 @@
 
 Everything here is a function of the rows in predictions.jsonl (plus this
 run's step-time measurements), so a resumed run reports the same quantities
-as an uninterrupted one: quality of both decoders, identical fraction, alpha
-(observed and estimated), tokens per target call, per-position acceptance,
-total decode seconds of each decoder summed over batches, the measured
-speedup, and Theorem 3.8's prediction from the measured alpha and c.
+as an uninterrupted one. Per decoder: quality, mean output length, total
+decode seconds summed over batches; for each decoder other than the baseline:
+its acceptance statistics (when it counts them), the measured speedup and the
+identical fraction against the baseline, and the predictions of its cost model
+(Thm 3.8 and the measured-verify-cost model) where the algorithm declares one.
+The first such decoder (the primary one) is also reported at the top level and
+in the paper's Table-4-style row.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from spec_decode import data, metrics, theory
 
-if TYPE_CHECKING:
-  from spec_decode.experiment import ExperimentConfig
-
 TASK_LABELS = {"wmt_t2t_ende_v003": "EnDe", "cnn_dailymail_v002": "CNNDM",
                "synthetic_ende": "EnDe (synthetic)", "synthetic_cnndm": "CNNDM (synthetic)"}
 TABLE_HEADER = ("| task | draft | temp | gamma | alpha | c | predicted | measured |\n"
                 "|---|---|---|---|---|---|---|---|\n")
+_ACCEPTANCE = ("accepted", "decisions", "min_pq_sum", "target_calls")
+# The primary decoder's entries repeated at the top level of the results.
+_PRIMARY_KEYS = ("alpha_observed", "alpha_estimated", "tokens_per_target_call",
+                 "accepted_per_target_call", "decisions", "target_calls", "alpha",
+                 "per_position_acceptance", "speedup_measured", "identical_fraction",
+                 "speedup_predicted", "cost_model_speedup", "expected_tokens_per_call",
+                 "optimal_gamma")
 
 
 def _fmt(x, digits: int = 2) -> str:
   return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def table_row(config: "ExperimentConfig", summary: Mapping[str, Any]) -> str:
-  """This run as a row of the paper's Table 4 (Table 2's columns plus c and the prediction).
-
-  alpha is the estimated alpha (mean beta); c has 3 decimals (the paper's 2
+def table_row(config, summary: Mapping[str, Any]) -> str:
+  """The primary decoder as a row of the paper's Table 4 (Table 2's columns plus c and the
+  prediction). alpha is the estimated alpha (mean beta); c has 3 decimals (the paper's 2
   would round small drafts to 0); speedups are walltime factors over the baseline.
   """
-  return (f"| {TASK_LABELS.get(config.task, config.task)} | {config.draft.label} | "
-          f"{config.temperature:g} | {config.gamma} | {_fmt(summary['alpha'])} | "
-          f"{_fmt(summary['timing']['c'], 3)} | {_fmt(summary['speedup_predicted'])} | "
+  algo = config.algorithms[config.primary]
+  draft = config.draft.label if config.draft is not None else "-"
+  return (f"| {TASK_LABELS.get(config.task, config.task)} | {draft} | "
+          f"{config.temperature:g} | {getattr(algo, 'gamma', '-')} | {_fmt(summary['alpha'])} | "
+          f"{_fmt(summary['timing'].get('c'), 3)} | {_fmt(summary['speedup_predicted'])} | "
           f"{_fmt(summary['speedup_measured'])} |")
 
 
-def summarize(cfg: "ExperimentConfig", *, metric_fns: Sequence[Callable],
-              examples: Sequence[data.Example], rows: Mapping[int, dict],
-              step_times: Mapping[str, float],
+def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str, float],
+                     step_times: Mapping[str, Any]) -> dict[str, Any]:
+  """Acceptance, speedup/identity against the baseline and cost-model predictions of one."""
+  algo = cfg.algorithms[name]
+  stats = [r["decoders"][name]["stats"] for r in done]
+  lengths = [r["decoders"][name]["length"] for r in done]
+  d: dict[str, Any] = {"algorithm": type(algo).__name__}
+  if stats and all(k in stats[0] for k in _ACCEPTANCE):
+    d.update(metrics.acceptance(**{k: [st[k] for st in stats] for k in _ACCEPTANCE},
+                                lengths=lengths))
+    d["alpha"] = d["alpha_estimated"]
+    if "accepted_at" in stats[0]:
+      d["per_position_acceptance"] = metrics.per_position_acceptance(
+          np.sum([st["accepted_at"] for st in stats], axis=0),
+          np.sum([st["decided_at"] for st in stats], axis=0))
+  baseline = cfg.baseline
+  d["speedup_measured"] = d["identical_fraction"] = None
+  if baseline is not None:
+    d["speedup_measured"] = seconds[baseline] / seconds[name] if seconds[name] > 0 else None
+    d["identical_fraction"] = metrics.identical_fraction(
+        [r["decoders"][baseline]["tokens"] for r in done],
+        [r["decoders"][name]["tokens"] for r in done])
+  alpha, c = d.get("alpha"), step_times.get("c")
+  size = getattr(algo, "max_proposal", None)
+  ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
+  model = None
+  if alpha is not None and not math.isnan(alpha) and c is not None and ratio is not None:
+    model = algo.cost_model(alpha=alpha, c=c, verify_ratio=ratio)
+  d["cost_model"] = model  # None where the algorithm declares none (or alpha is unknown)
+  d["speedup_predicted"] = model["thm_3_8"] if model else None
+  d["cost_model_speedup"] = model["cost_model"] if model else None
+  d["expected_tokens_per_call"] = model["expected_tokens"] if model else None
+  d["optimal_gamma"] = int(theory.optimal_gamma(alpha, c)) if model else None
+  return d
+
+
+def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Example],
+              rows: Mapping[int, dict], step_times: Mapping[str, Any],
               compile_times: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
-  """The results dict of an experiment from the rows of its examples (written by any run).
+  """The results dict of an experiment (`cfg`: its ExperimentConfig) from its rows.
 
   metric_fns: the task's (targets, predictions) -> dict metrics. step_times:
   `experiment.measure_step_times`. compile_times: this run's first-call and
@@ -55,43 +98,31 @@ def summarize(cfg: "ExperimentConfig", *, metric_fns: Sequence[Callable],
   done = [rows[ex.index] for ex in examples if ex.index in rows]
   if not done:
     raise ValueError("no decoded rows to summarize")
-  col = lambda k: [r[k] for r in done]
-  targets = col("target")
+  names = list(cfg.algorithms)
+  missing = sorted({n for r in done for n in names if n not in r.get("decoders", {})})
+  if missing:
+    raise ValueError(f"prediction rows lack the outputs of decoders {missing}: they were "
+                     "written by another configuration; use a new output_dir")
+  targets = [r["target"] for r in done]
+  col = lambda name, key: [r["decoders"][name][key] for r in done]
+  batches = {r["batch"]: r for r in done}
+  seconds = {n: float(sum(b["decoders"][n]["batch_seconds"] for b in batches.values()))
+             for n in names}
   out: dict[str, Any] = {
       "experiment": cfg.to_json(), "num_examples": len(examples), "completed": len(done),
-      "metrics": {"speculative": metrics.quality(metric_fns, targets,
-                                                 col("spec_output"))},
-      "mean_output_length": {"speculative": float(np.mean(col("spec_length")))},
+      "baseline": cfg.baseline, "primary": cfg.primary,
+      "metrics": {n: metrics.quality(metric_fns, targets, col(n, "output")) for n in names},
+      "mean_output_length": {n: float(np.mean(col(n, "length"))) for n in names},
+      "decoders": {n: _decoder_summary(cfg, n, done, seconds, step_times)
+                   for n in names if n != cfg.baseline},
   }
-  acc = metrics.acceptance(accepted=col("accepted"), decisions=col("decisions"),
-                           min_pq_sum=col("min_pq_sum"), target_calls=col("target_calls"),
-                           lengths=col("spec_length"))
-  out.update(acc)
-  out["alpha"] = acc["alpha_estimated"]
-  out["per_position_acceptance"] = metrics.per_position_acceptance(
-      np.sum(col("accepted_at"), axis=0), np.sum(col("decided_at"), axis=0))
-  batches = {r["batch"]: r for r in done}
-  spec_s = float(sum(r["spec_batch_seconds"] for r in batches.values()))
-  t = dict(step_times, speculative_seconds=spec_s,
-           first_call_seconds=dict(compile_times.get("first_call_seconds", {})),
-           compile_seconds=dict(compile_times.get("compile_seconds", {})))
-  out["speedup_measured"] = None
-  if cfg.run_baseline:
-    ar_s = float(sum(r["ar_batch_seconds"] for r in batches.values()))
-    t["autoregressive_seconds"] = ar_s
-    out["metrics"]["autoregressive"] = metrics.quality(metric_fns, targets,
-                                                       col("ar_output"))
-    out["mean_output_length"]["autoregressive"] = float(np.mean(col("ar_length")))
-    out["identical_fraction"] = metrics.identical_fraction(col("ar_tokens"), col("spec_tokens"))
-    out["autoregressive_target_calls"] = int(np.sum(col("ar_target_calls")))
-    out["speedup_measured"] = ar_s / spec_s if spec_s > 0 else None
-  out["timing"] = t
-  alpha, c = out["alpha"], step_times["c"]
-  if math.isnan(alpha):
-    out["speedup_predicted"] = out["expected_tokens_per_call"] = out["optimal_gamma"] = None
-  else:
-    out["speedup_predicted"] = float(theory.walltime_improvement(alpha, cfg.gamma, c))
-    out["expected_tokens_per_call"] = float(theory.expected_tokens(alpha, cfg.gamma))
-    out["optimal_gamma"] = int(theory.optimal_gamma(alpha, c))
-  out["table_row"] = table_row(cfg, out)
+  out["timing"] = dict(step_times, **{f"{n}_seconds": seconds[n] for n in names},
+                       first_call_seconds=dict(compile_times.get("first_call_seconds", {})),
+                       compile_seconds=dict(compile_times.get("compile_seconds", {})))
+  if cfg.baseline is not None:
+    out["autoregressive_target_calls"] = int(sum(st["target_calls"] for st in
+                                                 col(cfg.baseline, "stats")))
+  primary = out["decoders"].get(cfg.primary, {})
+  out.update({k: primary.get(k) for k in _PRIMARY_KEYS})
+  out["table_row"] = table_row(cfg, out) if cfg.primary else ""
   return out

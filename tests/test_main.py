@@ -25,7 +25,7 @@ def _rows(out):
 
 
 def _tokens_by_index(out):
-  return {r["index"]: r["spec_tokens"] for r in _rows(out)}
+  return {r["index"]: r["decoders"]["speculative"]["tokens"] for r in _rows(out)}
 
 
 def test_import_main_does_not_import_tensorflow():
@@ -59,32 +59,38 @@ def test_end_to_end_outputs(greedy_run):
   gamma = summary["experiment"]["gamma"]
   assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
   # Greedy: speculative output equals the autoregressive one, row by row.
-  assert all(r["identical"] and r["ar_tokens"] == r["spec_tokens"] for r in rows)
+  ar = [r["decoders"]["autoregressive"] for r in rows]
+  spec = [r["decoders"]["speculative"] for r in rows]
+  assert all(a["tokens"] == s["tokens"] for a, s in zip(ar, spec))
   assert summary["identical_fraction"] == 1.0
   assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
   assert set(summary["metrics"]["speculative"]) == {"bleu"}
-  for r in rows:
-    assert r["target_calls"] <= r["spec_length"] and r["ar_target_calls"] == r["ar_length"]
-    assert r["decisions"] <= r["draft_tokens"] == gamma * r["target_calls"]
-    assert r["spec_length"] == len(r["spec_tokens"]) <= 32
+  for r, a, sp in zip(rows, ar, spec):
+    st = sp["stats"]
+    assert st["target_calls"] <= sp["length"] and a["stats"]["target_calls"] == a["length"]
+    assert set(a["stats"]) == {"target_calls"}  # the baseline declares only this counter
+    assert st["decisions"] <= st["draft_tokens"] == gamma * st["target_calls"]
+    assert sp["length"] == len(sp["tokens"]) <= 32
     # The engine's per-position counters add up to the row's totals.
-    assert len(r["decided_at"]) == len(r["accepted_at"]) == gamma
-    assert sum(r["decided_at"]) == r["decisions"] and sum(r["accepted_at"]) == r["accepted"]
-    assert all(a <= d for a, d in zip(r["accepted_at"], r["decided_at"]))
+    assert len(st["decided_at"]) == len(st["accepted_at"]) == gamma
+    assert sum(st["decided_at"]) == st["decisions"] and sum(st["accepted_at"]) == st["accepted"]
+    assert all(x <= d for x, d in zip(st["accepted_at"], st["decided_at"]))
     assert r["inputs"].startswith("reverse: ")
-  col = lambda k: np.array([r[k] for r in rows], np.float64)
+  col = lambda k: np.array([sp["stats"][k] if k in sp["stats"] else sp[k] for sp in spec],
+                           np.float64)
   np.testing.assert_allclose(summary["alpha_observed"],
                              col("accepted").sum() / col("decisions").sum())
   np.testing.assert_allclose(summary["alpha_estimated"],
                              col("min_pq_sum").sum() / col("decisions").sum())
   np.testing.assert_allclose(summary["alpha_observed"], summary["alpha_estimated"])  # one-hots
   np.testing.assert_allclose(summary["tokens_per_target_call"],
-                             col("spec_length").sum() / col("target_calls").sum())
+                             col("length").sum() / col("target_calls").sum())
   batches = {r["batch"]: r for r in rows}
   assert len(batches) == 3
   t = summary["timing"]
   np.testing.assert_allclose(t["autoregressive_seconds"],
-                             sum(b["ar_batch_seconds"] for b in batches.values()))
+                             sum(b["decoders"]["autoregressive"]["batch_seconds"]
+                                 for b in batches.values()))
   np.testing.assert_allclose(summary["speedup_measured"],
                              t["autoregressive_seconds"] / t["speculative_seconds"])
   np.testing.assert_allclose(t["c"], t["draft_step_seconds"] / t["target_step_seconds"])
@@ -92,8 +98,8 @@ def test_end_to_end_outputs(greedy_run):
                              theory.walltime_improvement(summary["alpha"], gamma, t["c"]))
   assert set(t["first_call_seconds"]) == set(t["compile_seconds"]) == {"autoregressive",
                                                                        "speculative"}
-  reached = np.sum([r["decided_at"] for r in rows], axis=0)
-  accepted = np.sum([r["accepted_at"] for r in rows], axis=0)
+  reached = np.sum([sp["stats"]["decided_at"] for sp in spec], axis=0)
+  accepted = np.sum([sp["stats"]["accepted_at"] for sp in spec], axis=0)
   assert summary["per_position_acceptance"] == [a / n if n else None
                                                 for a, n in zip(accepted, reached)]
   with open(os.path.join(out, "table_row.md")) as f:
@@ -300,8 +306,10 @@ def test_two_processes_write_what_one_process_writes(tmp_path):
   got, want = _rows(multi), _rows(single)
   assert [r["index"] for r in got] == [r["index"] for r in want] == [0, 1, 2, 3]
   for g, w in zip(got, want):
-    for k in ("spec_tokens", "ar_tokens", "accepted", "decisions", "target_calls"):
-      assert g[k] == w[k], k
+    assert g["decoders"].keys() == w["decoders"].keys() == {"autoregressive", "speculative"}
+    for name in g["decoders"]:
+      for k in ("tokens", "stats"):
+        assert g["decoders"][name][k] == w["decoders"][name][k], (name, k)
   assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
 
 
@@ -316,7 +324,8 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert choice["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"], max_gamma=10)
   assert 0.0 <= choice["alpha"] <= 1.0 and choice["c"] > 0 and choice["warmup_examples"] == 2
   assert summary["experiment"]["gamma"] == choice["gamma"]
-  assert all(len(r["decided_at"]) == choice["gamma"] for r in _rows(out))
+  assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == choice["gamma"]
+             for r in _rows(out))
   assert f"gamma {choice['gamma']} chosen by theory.optimal_gamma" in main.format_summary(summary)
   # A resumed run reuses the recorded choice instead of measuring again (the marker
   # alpha below could not come out of a measurement).
@@ -327,3 +336,35 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
                    show_progress=False)
   assert again["gamma_selection"] == dict(choice, alpha=0.123456)
   assert again["experiment"]["gamma"] == choice["gamma"] and again["completed"] == 6
+
+
+def test_named_decoders_from_gin(tmp_path):
+  """Any number of named decoders from gin: each gets its tokens, stats, speedup, identity."""
+  out = str(tmp_path / "named")
+  bindings = SMALL + ["NUM_EXAMPLES = 3",
+                      "g2/Speculative.gamma = 2", "g3/Speculative.gamma = 3",
+                      "ExperimentConfig.decoders = {'g2': @g2/Speculative(), "
+                      "'g3': @g3/Speculative()}"]
+  summary = main.run([TOY], bindings, out, show_progress=False)
+  assert list(summary["metrics"]) == ["autoregressive", "g2", "g3"]
+  assert set(summary["decoders"]) == {"g2", "g3"} and summary["primary"] == "g2"
+  assert summary["experiment"]["decoders"]["g3"]["gamma"] == 3
+  assert summary["experiment"]["decoders"]["g3"]["verifier"]["name"] == "chain"
+  for name, gamma in (("g2", 2), ("g3", 3)):
+    d = summary["decoders"][name]
+    assert d["identical_fraction"] == 1.0  # greedy
+    assert d["speedup_measured"] > 0 and d["cost_model"]["expected_tokens"] >= 1
+    for r in _rows(out):
+      assert len(r["decoders"][name]["stats"]["decided_at"]) == gamma
+  assert summary["table_row"].startswith("| toy_reverse | tiny (random) | 0 | 2 |")
+  assert set(summary["timing"]["verify_ratio_by_tokens"]) == {"3", "4"}
+
+
+def test_baseline_only_experiment_has_no_cost_model(tmp_path):
+  out = str(tmp_path / "ar_only")
+  bindings = SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.draft = None",
+                      "ExperimentConfig.decoders = {'again': @Autoregressive()}"]
+  summary = main.run([TOY], bindings, out, show_progress=False)
+  again = summary["decoders"]["again"]
+  assert again["identical_fraction"] == 1.0 and again["cost_model"] is None
+  assert again["speedup_predicted"] is None and "c" not in summary["timing"]

@@ -7,6 +7,7 @@ makes every registered class gin-configurable under its class name, and
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 ALGORITHMS: dict[str, type] = {}
@@ -52,3 +53,14 @@ def get(kind: str, name: str, **kwargs) -> Any:
 def all_classes() -> list[type]:
   """Every registered class (for gin registration)."""
   return [cls for table in _KINDS.values() for cls in table.values()]
+
+
+def describe(obj: Any) -> Any:
+  """A JSON-able description of a registered plug-in (recursively): its name and fields."""
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    d = {"name": getattr(type(obj), "registered_name", type(obj).__name__)}
+    d.update({f.name: describe(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return d
+  if isinstance(obj, (list, tuple)):
+    return [describe(x) for x in obj]
+  return obj
