@@ -37,7 +37,7 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt
-from spec_decode import metrics, timing
+from spec_decode import batching, metrics, timing
 from spec_decode.models.delayed import DelayedDecoder
 
 
@@ -109,7 +109,7 @@ def _stats(outs, n_rows: int) -> dict[str, float]:
 
 
 def run(args) -> dict[str, Any]:
-  from spec_decode import data, decoding, theory
+  from spec_decode import decoding, theory
   base, loaded, notes = _load(args)
   cfg = base.config
   target, tparams = base.target, base.target_params
@@ -118,9 +118,8 @@ def run(args) -> dict[str, Any]:
   batches = []
   for i in range(0, len(examples), B):
     chunk = examples[i:i + B]
-    ids = [ex.index for ex in chunk] + [chunk[-1].index] * (B - len(chunk))
-    batches.append((jnp.asarray(data.encoder_batch(chunk, batch_size=B, input_length=S)),
-                    jnp.asarray(ids, jnp.int32)))
+    enc, ids = batching.example_batch(chunk, batch_size=B, input_length=S)
+    batches.append((jnp.asarray(enc), jnp.asarray(ids)))
   variants = [Variant(f"{d} (natural)" if args.added_c else d, d, s.draft, s.draft_params)
               for d, s in loaded.items() if d in args.drafts]
   cache_length = cfg.decode_len + max(args.gammas) + 1

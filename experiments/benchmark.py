@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt, fmt_spread
-from spec_decode import metrics, timing
+from spec_decode import batching, metrics, timing
 
 
 def _model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
@@ -84,8 +84,7 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
   """Autoregressive and speculative decoding of all inputs, batch by batch, interleaved."""
   from spec_decode import decoding
   B = args.batch_size
-  batches = [inputs[i:i + B] for i in range(0, len(inputs), B)]
-  batches = [np.concatenate([b, np.repeat(b[-1:], B - len(b), axis=0)]) for b in batches]
+  batches = [b for b, _ in batching.batches(inputs, B)]
   common = dict(max_decode_len=args.decode_len, rng=jax.random.PRNGKey(args.seed),
                 sampling=decoding.Sampling(temperature=args.temperature),
                 **({"mesh": mesh} if mesh is not None else {}))
@@ -156,8 +155,7 @@ def run(args) -> dict[str, Any]:
   target, tparams = load(tspec, LoadContext("target", mesh=mesh))
   draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size, mesh=mesh))
   inputs = _inputs(args, target.vocab_size)
-  enc = jnp.asarray(np.concatenate([inputs, np.repeat(inputs[-1:], args.batch_size, 0)])
-                    [:args.batch_size])
+  enc = jnp.asarray(batching.pad_rows(inputs[:args.batch_size], args.batch_size))
   pc = costs.pair_costs(target, tparams, draft, dparams, enc, gammas=args.gammas,
                         cache_length=args.decode_len + max(args.gammas) + 1,
                         position=args.decode_len // 2, steps=args.loop_steps,

@@ -39,16 +39,12 @@ def _decode(path: str, enc, max_decode_len: int, batch_size: int) -> tuple[list[
   """Greedy outputs of the checkpoint at `path` on enc, and its parameter count."""
   import numpy as np
 
-  from spec_decode import checkpoints, decoding
+  from spec_decode import batching, checkpoints, decoding
   from spec_decode.models import t5
   cfg, params = checkpoints.load(path, dtype="float32")
   model = t5.T5(cfg)
   rows = []
-  for i in range(0, len(enc), batch_size):
-    chunk = enc[i:i + batch_size]
-    n = len(chunk)
-    if n < batch_size:  # pad the last batch so every call has one shape (one compile)
-      chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - n, axis=0)])
+  for chunk, n in batching.batches(enc, batch_size):  # one shape: one compile
     out = decoding.autoregressive(model, params, chunk, max_decode_len=max_decode_len)
     rows += np.asarray(out.tokens)[:n].tolist()
   return rows, model.num_params()

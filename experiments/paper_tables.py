@@ -72,8 +72,16 @@ TABLE5 = (
 NGRAM_GAMMA = 3
 
 
+NGRAM_DRAFTS = ("unigram", "bigram")
+
+
 def paper_gamma(task: str, draft: str, temperature: int) -> int:
+  """Table 2/4's gamma for (task, draft, temperature); NGRAM_GAMMA for n-gram drafts."""
   for row in TABLE4:
     if row[:3] == (task, draft, temperature):
       return row[3]
-  return NGRAM_GAMMA
+  if draft in NGRAM_DRAFTS and temperature in (0, 1) and any(r[0] == task for r in TABLE4):
+    return NGRAM_GAMMA
+  raise ValueError(f"the paper has no gamma for task {task!r}, draft {draft!r}, temperature "
+                   f"{temperature!r}; known: {sorted({r[:3] for r in TABLE4})} and n-gram "
+                   f"drafts {NGRAM_DRAFTS}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from experiments._common import REPO_ROOT, quote
 
@@ -214,6 +214,3 @@ def load(setup: Setup):
   from spec_decode import experiment
   return experiment.setup(parse_config(setup))
 
-
-def setups_for(scale: str, task: str, drafts: Sequence[str], **kwargs) -> dict[str, Setup]:
-  return {d: experiment_setup(scale, task, d, **kwargs) for d in drafts}

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import (data, decoding, distributed, metrics, model_specs, partitioning,
+from spec_decode import (batching, data, decoding, distributed, metrics, model_specs, partitioning,
                          report, results, theory, timing)
 from spec_decode.model_specs import LoadContext, ModelSpec
 
@@ -309,8 +309,8 @@ def _inputs(s: _Setup, batch: Sequence[data.Example]) -> tuple[jax.Array, jax.Ar
   the batch size by repeating the last example, laid out on the mesh when there is one."""
   cfg = s.config
   B = cfg.batch_size
-  enc = data.encoder_batch(batch, batch_size=B, input_length=cfg.feature_lengths["inputs"])
-  ids = np.array([ex.index for ex in batch] + [batch[-1].index] * (B - len(batch)), np.int32)
+  enc, ids = batching.example_batch(batch, batch_size=B,
+                                    input_length=cfg.feature_lengths["inputs"])
   if s.mesh is None:
     return jnp.asarray(enc), jnp.asarray(ids)
   # Each process feeds only the rows its devices hold (all of them on one host).

@@ -81,11 +81,11 @@ def test_speculative_with_bigram_draft_is_exact():
   target, tparams = _markov_target()
   enc = np.array([[2, 3, 4]], np.int32)
   s = decoding.Sampling(temperature=1.0)
-  # Fit the bigram on target samples (as fit_from_model does for a real target).
+  # Fit the bigram on target samples.
   n = 3000
-  dparams = ngram.fit_from_model(target, tparams, np.repeat(enc, 256, 0), order=2,
-                                 max_decode_len=4, sampling=s, rng=jax.random.PRNGKey(1),
-                                 smoothing=0.1)
+  samples = decoding.autoregressive(target, tparams, np.repeat(enc, 256, 0), max_decode_len=4,
+                                    sampling=s, rng=jax.random.PRNGKey(1))
+  dparams = ngram.fit(testing.sequences(samples), order=2, vocab_size=6, smoothing=0.1)
   draft = ngram.NGramDecoder(vocab_size=6, order=2)
   r = decoding.speculative(target, tparams, draft, dparams, np.repeat(enc, n, 0), gamma=3,
                            max_decode_len=4, sampling=s, rng=jax.random.PRNGKey(7))

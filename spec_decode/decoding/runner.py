@@ -19,7 +19,6 @@ unsharded or on a mesh, from Python, gin or the experiment layer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax

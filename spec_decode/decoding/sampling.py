@@ -59,10 +59,6 @@ class Sampling:
       probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return probs
 
-  def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
-    """One token per leading index, drawn from `probs(logits)`; int32."""
-    return sample_from(key, self.probs(logits))
-
 
 def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   """Draws an index from each distribution along the last axis (zeros never drawn)."""

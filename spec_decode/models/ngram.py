@@ -6,8 +6,8 @@ row = previous token)}; the logits after feeding token s_t are log_probs
 (unigram) or log_probs[s_t] (bigram), so the logits of a position depend only
 on the token fed there and a rewind only needs to move the per-row length.
 
-`fit` turns token sequences (a task's targets, or samples of a target model via
-`fit_from_model`) into maximum-likelihood tables: probabilities equal counts
+`fit` turns token sequences (a task's targets, or a target model's samples)
+into maximum-likelihood tables: probabilities equal counts
 divided by totals, plus optional add-`smoothing`. A bigram row whose previous
 token was never seen backs off to the unigram law. Zero probabilities are
 stored as `LOG_ZERO` (finite, so softmax never produces NaN).
@@ -160,14 +160,3 @@ def fit(sequences: Iterable[Sequence[int]], *, order: int, vocab_size: int,
   probs = c / total
   logp = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), LOG_ZERO)
   return {"log_probs": jnp.asarray(logp, jnp.float32)}
-
-
-def fit_from_model(model, params, encoder_tokens, *, order: int, max_decode_len: int,
-                   sampling, rng, smoothing: float = 0.0) -> dict:
-  """Fits on outputs that `model` generates for `encoder_tokens` (one per row)."""
-  from spec_decode import decoding  # local: decoding imports the models package
-  result = decoding.autoregressive(model, params, encoder_tokens,
-                                   max_decode_len=max_decode_len, sampling=sampling, rng=rng)
-  tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
-  return fit([row[:n] for row, n in zip(tokens, lengths)], order=order,
-             vocab_size=model.vocab_size, smoothing=smoothing)
