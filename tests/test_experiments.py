@@ -110,7 +110,7 @@ def test_delayed_decoder_sleep_runs_once_per_call(monkeypatch):
   cache = model.init_cache(params, model.encode(params, jnp.array([[2, 3]], jnp.int32)), 4)
   step = jax.jit(model.decode)
   for _ in range(3):
-    logits, _ = step(params, cache, jnp.array([[2]], jnp.int32))
+    logits = step(params, cache, jnp.array([[2]], jnp.int32)).logits
     jax.block_until_ready(logits)
   assert calls == [0.0, 0.0, 0.0]
 
