@@ -66,6 +66,17 @@ def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
+def next_token(keys: jax.Array, logits: jax.Array, sampling: "Sampling") -> jax.Array:
+  """One token per row from logits [B, V] under `sampling`, int32 [B].
+
+  Greedy is the argmax of the logits itself (the same token as drawing from the
+  one-hot `probs`, without building it); otherwise a draw from `probs(logits)`.
+  """
+  if sampling.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.vmap(sample_from)(keys, sampling.probs(logits))
+
+
 def draw(keys: jax.Array, probs: jax.Array, *, greedy: bool) -> jax.Array:
   """One token per row: `sample_from(keys[i], probs[i])` for each i, int32 [B].
 

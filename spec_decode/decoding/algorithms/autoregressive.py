@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry, runner
-from spec_decode.decoding.sampling import Sampling, draw
+from spec_decode.decoding.sampling import Sampling, next_token
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models.base import BOS_ID, EOS_ID
 
@@ -44,7 +44,7 @@ class Autoregressive(runner.Algorithm):
     def body(s: _State) -> _State:
       out = model.decode(params, s.cache, s.last[:, None])
       cache = ctx.constrain_cache(out.cache, "target")
-      tok = draw(ctx.keys(s.step), sampling.probs(out.logits[:, 0]), greedy=sampling.greedy)
+      tok = next_token(ctx.keys(s.step), out.logits[:, 0], sampling)
       active = ~s.done
       tok = jnp.where(active, tok, 0)
       lengths = s.lengths + active.astype(jnp.int32)

@@ -33,6 +33,7 @@ from spec_decode.decoding.drafters import Drafter, ModelDrafter
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
 from spec_decode.decoding.verifiers import ChainVerifier, Verifier
+from spec_decode.decoding.verifiers.chain import greedy_verdict
 from spec_decode.models.base import EOS_ID
 
 
@@ -137,9 +138,12 @@ class Speculative(runner.Algorithm):
         out = target.decode(params, s.target_cache, target_in, positions=m[:, None] + depth,
                             tree_mask=mask)
       target_cache = ctx.constrain_cache(out.cache, "target")
-      p = sampling.probs(out.logits)  # [B, K + 1, V]
-      verdict = self.verifier.verify(p, proposal, accept_keys, correct_keys, sampling=sampling,
-                                     lenience=self.lenience)
+      if sampling.greedy and self.verifier.chain_only and self.verifier.greedy_is_matching:
+        verdict = greedy_verdict(jnp.argmax(out.logits, axis=-1).astype(jnp.int32), proposal)
+      else:
+        p = sampling.probs(out.logits)  # [B, K + 1, V]
+        verdict = self.verifier.verify(p, proposal, accept_keys, correct_keys,
+                                       sampling=sampling, lenience=self.lenience)
       n = verdict.accepted
 
       # New tokens: the accepted path, then the extra token; cut after the first EOS and at L.

@@ -23,7 +23,11 @@ from spec_decode.decoding.types import Committed, Proposal
 @registry.drafter("model")
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
-  """Proposes x_1..x_num ~ q_1..q_num from the draft model, one token per call."""
+  """Proposes x_1..x_num ~ q_1..q_num from the draft model, one token per call.
+
+  At temperature 0 the proposal is the draft's argmax chain with q None (a
+  point mass at each token: the one-hot q it stands for is never built).
+  """
 
   def init(self, ctx, room: int):
     return ctx.start_cache("draft", room)
@@ -43,18 +47,24 @@ class ModelDrafter(Drafter):
       return out.logits[:, -1], out.cache
 
     logits, cache = jax.lax.cond(committed.it == 0, first_call, catch_up_call)
-    q1 = sampling.probs(logits)
-    x1 = draw(keys_BK[:, 0], q1, greedy=sampling.greedy)
+    greedy = sampling.greedy  # then each token is the argmax: a point mass, no q to carry
+
+    def choose(key_B, logits_BV):
+      if greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+      q = sampling.probs(logits_BV)
+      return draw(key_B, q, greedy=False), q
+
+    x1, q1 = choose(keys_BK[:, 0], logits)
 
     def step(carry, key_B):
       cache, x = carry
       out = draft.decode(params, cache, x[:, None])
-      q = sampling.probs(out.logits[:, 0])
-      x = draw(key_B, q, greedy=sampling.greedy)
+      x, q = choose(key_B, out.logits[:, 0])
       return (out.cache, x), (x, q)
 
     cache = ctx.constrain_cache(cache, "draft")
     (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), jnp.swapaxes(keys_BK[:, 1:], 0, 1))
     x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
-    q = jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     return Proposal.chain(x, q), ctx.constrain_cache(cache, "draft")

@@ -25,6 +25,10 @@ class Verifier:
   """Base class; see the module doc. supports_lenience: accepts lenience < 1."""
   supports_lenience: ClassVar[bool] = False
   chain_only: ClassVar[bool] = True
+  # At temperature 0 (one-hot p and q) the verifier is exact matching of the chain
+  # against the target's argmax; the loop then calls `greedy_verdict` and never
+  # builds p. A verifier that decides otherwise at temperature 0 sets this False.
+  greedy_is_matching: ClassVar[bool] = True
 
   def verify(self, p, proposal: Proposal, accept_keys, correct_keys, *, sampling,
              lenience: float = 1.0) -> Verdict:

@@ -26,6 +26,24 @@ def take(probs_BKV, tokens_BK):
   return jnp.take_along_axis(probs_BKV, tokens_BK[..., None], axis=-1)[..., 0]
 
 
+def greedy_verdict(target_tokens, proposal: Proposal) -> Verdict:
+  """Temperature 0: accept the longest prefix of the chain equal to the target's argmax.
+
+  target_tokens [B, K + 1]: the target's argmax after the root and after each
+  proposed token. The extra token is the target's argmax after the accepted
+  prefix. beta is 1 where the draft's token is the target's (sum_x min(p, q)
+  of two point masses). This is what every exact chain verifier (and the
+  lenient one) reduces to on one-hot p and q, computed without them.
+  """
+  x = proposal.tokens
+  B, K = x.shape
+  match = target_tokens[:, :K] == x
+  n = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  extra = jnp.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
+  return Verdict(accepted=n, path=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)),
+                 extra=extra, decided=jnp.minimum(n + 1, K), beta=match.astype(jnp.float32))
+
+
 @registry.verifier("chain")
 @dataclasses.dataclass(frozen=True)
 class ChainVerifier(Verifier):
