@@ -188,3 +188,19 @@ def test_token_ids_and_checks_are_public_in_base():
   assert (base.PAD_ID, base.BOS_ID, base.EOS_ID) == (0, 0, 1)
   with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 5\)"):
     base.check_tokens(np.array([[1, 5]]), "tokens", 5)
+
+
+def test_compiler_options_compile_a_separate_executable_with_equal_outputs():
+  model = MarkovDecoder(vocab_size=6, order=2)
+  params = model.init(jax.random.PRNGKey(0))
+  enc = np.array([[2, 3], [4, 0]], np.int32)
+  kw = dict(max_decode_len=6, sampling=decoding.Sampling(temperature=1.0),
+            rng=jax.random.PRNGKey(1))
+  plain = decoding.run(decoding.Autoregressive(), model, params, enc, **kw)
+  tuned = decoding.run(decoding.Autoregressive(), model, params, enc, **kw,
+                       compiler_options={"xla_cpu_multi_thread_eigen": False})
+  np.testing.assert_array_equal(tuned.tokens, plain.tokens)
+  from spec_decode import partitioning
+  with pytest.raises(ValueError, match="unsharded runs only"):
+    decoding.run(decoding.Autoregressive(), model, params, enc, **kw,
+                 mesh=partitioning.make_mesh("data=1"), compiler_options={"a": 1})

@@ -19,6 +19,7 @@ unsharded or on a mesh, from Python, gin or the experiment layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -161,7 +162,11 @@ def _impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng
 
 
 _STATIC = ("algorithm", "target", "draft", "max_decode_len", "sampling")
-_unsharded = jax.jit(_impl, static_argnames=_STATIC)
+
+
+@functools.lru_cache(maxsize=None)
+def _unsharded_jit(options: tuple[tuple[str, Any], ...]):
+  return jax.jit(_impl, static_argnames=_STATIC, compiler_options=dict(options) or None)
 
 
 def resolve_rules(rules, draft_rules):
@@ -198,14 +203,15 @@ def sharded(algorithm: Algorithm, target, draft, mesh, *, batch_shape, max_decod
 def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=None,
         draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
         sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
-        draft_rules=None) -> DecodeResult:
+        draft_rules=None, compiler_options=None) -> DecodeResult:
   """Decodes `encoder_tokens` [B, S] with `algorithm`; see `decoding.autoregressive`.
 
   draft / draft_params: the drafter model when the algorithm needs one, with
   its own draft_encoder_tokens (default encoder_tokens). mesh: run sharded
   (target by `rules`, default T5X's; draft by `draft_rules`, default
   data-parallel: replicated parameters, batch sharded); outputs equal the
-  unsharded ones.
+  unsharded ones. compiler_options: XLA options for this executable (unsharded
+  runs), e.g. {"xla_cpu_use_onednn": True}; each distinct set compiles once.
   """
   if not isinstance(algorithm, Algorithm):
     raise ValueError(f"algorithm must be a decoding Algorithm (e.g. decoding.Speculative(gamma="
@@ -231,10 +237,14 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
       raise ValueError(f"{type(algorithm).__name__} uses no draft model; do not pass one")
     draft_encoder_tokens = None
   algorithm.check_models(target, draft)
+  if compiler_options is not None and mesh is not None:
+    raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
   args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)
   if mesh is None:
-    return _unsharded(*args, algorithm=algorithm, target=target, draft=draft,
-                      max_decode_len=max_decode_len, sampling=sampling)
+    options = tuple(sorted((compiler_options or {}).items()))
+    return _unsharded_jit(options)(
+        *args, algorithm=algorithm, target=target, draft=draft, max_decode_len=max_decode_len,
+        sampling=sampling)
   fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,
                              max_decode_len=max_decode_len, sampling=sampling, rules=rules,
                              draft_rules=draft_rules, target_params=target_params,
