@@ -86,11 +86,15 @@ class Speculative(runner.Algorithm):
                        f"{type(self.verifier).__name__}")
     if self.lenience < 1.0 and not self.verifier.supports_lenience:
       raise ValueError(f"{type(self.verifier).__name__} does not support lenience < 1")
+    if self.drafter.proposes_trees and self.verifier.chain_only:
+      raise ValueError(f"{type(self.drafter).__name__} proposes trees but "
+                       f"{type(self.verifier).__name__} verifies chains only; use a tree "
+                       f"verifier, e.g. TreeVerifier()")
 
   @property
   def max_proposal(self) -> int:
     """K, the most tokens one proposal holds (per-position counters are [B, K])."""
-    return self.gamma
+    return self.drafter.proposal_size(self.gamma)
 
   def check_models(self, target, draft) -> None:
     self.drafter.check_models(target, draft)
@@ -172,7 +176,8 @@ class Speculative(runner.Algorithm):
       decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]
       accepted_at = (j[:, :K] < n[:, None]) & active[:, None]
       a = active.astype(jnp.int32)
-      stats = s.stats.add(target_calls=a, draft_tokens=proposal.size * a, accepted=n * a,
+      proposed = jnp.sum(proposal.parent >= -1, axis=1)  # tree padding has parent -2
+      stats = s.stats.add(target_calls=a, draft_tokens=proposed * a, accepted=n * a,
                           decisions=verdict.decided * a,
                           min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
                           accepted_at=accepted_at, decided_at=decided_at)

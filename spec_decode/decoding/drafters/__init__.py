@@ -23,8 +23,12 @@ from spec_decode.decoding.types import Committed, Proposal, Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """Base class; see the module doc. needs_model: whether it reads `ctx.draft`."""
-  needs_model = True
+  """Base class; see the module doc. proposes_trees: whether proposals may branch."""
+  proposes_trees = False
+
+  def proposal_size(self, gamma: int) -> int:
+    """K, the most tokens one proposal holds (a chain: gamma)."""
+    return gamma
 
   def check_models(self, target, draft) -> None:
     """Raises ValueError when the models cannot serve this drafter."""
@@ -40,5 +44,6 @@ class Drafter:
 
 
 from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402  registration
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "TreeDrafter"]

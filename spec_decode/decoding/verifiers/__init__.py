@@ -36,5 +36,6 @@ class Verifier:
 
 
 from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
+from spec_decode.decoding.verifiers.tree import TreeVerifier  # noqa: E402  registration
 
-__all__ = ["Verifier", "ChainVerifier"]
+__all__ = ["Verifier", "ChainVerifier", "TreeVerifier"]

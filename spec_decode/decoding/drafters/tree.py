@@ -1,0 +1,147 @@
+"""A draft tree by best-first search (SpecExec, Svirschevski et al. 2024), in static shapes.
+
+Each proposal grows a tree of at most `budget` nodes below the last committed
+token s_m (the root), scored by cumulative draft log-probability:
+  round 0: the root's top-`width` tokens become its children;
+  rounds 1 .. steps-1: the draft scores every node in ONE call (the tree's
+      tokens after the committed prefix, each at position m + depth, each
+      attending to its own ancestors: `decode(positions=..., tree_mask=...)`);
+      the `expand` best unexpanded nodes above depth `depth` get their
+      top-`width` children; the `budget` best of old and new nodes are kept.
+A path's score never rises with depth, so the kept set is a connected subtree
+(ties go to the shallower node). Nodes are listed parents first; unused slots
+have parent -2. Scores use the adjusted draft law (temperature, top-k, top-p);
+at temperature 0 they use the raw softmax, so the tree still holds alternatives.
+
+The draft cache holds the committed tokens it has seen (state `held` [B]);
+each proposal first feeds the ones it lacks (at most depth + 1, one call of
+depth + 1 slots), which gives the root's distribution. Draft work per target
+call: that call plus steps - 1 calls of `budget` tokens.
+
+The tree carries no q (it is not a sample of the draft), so it suits verifiers
+that need none, such as `TreeVerifier` (SpecExec's rule, exact for any tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_decode.decoding import registry
+from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.runner import is_int
+from spec_decode.decoding.types import Committed, Proposal
+
+_NEG = -jnp.inf
+
+
+@flax.struct.dataclass
+class TreeState:
+  """cache: the draft cache; held [B]: committed tokens s_0.. it holds (after a rewind)."""
+  cache: object
+  held: jax.Array
+
+
+@registry.drafter("tree")
+@dataclasses.dataclass(frozen=True)
+class TreeDrafter(Drafter):
+  """budget B nodes, `width` children per expansion, `expand` nodes expanded per round,
+  paths at most `depth` deep, `steps` rounds (the first expands the root)."""
+  budget: int = 16
+  width: int = 2
+  expand: int = 2
+  depth: int = 6
+  steps: int = 4
+  proposes_trees = True
+
+  def __post_init__(self):
+    for name in ("budget", "width", "expand", "depth", "steps"):
+      v = getattr(self, name)
+      if not is_int(v) or v < 1:
+        raise ValueError(f"TreeDrafter.{name} must be an int >= 1, got {v!r}")
+    if self.width > self.budget:
+      raise ValueError(f"TreeDrafter.width {self.width} exceeds the budget {self.budget}")
+    if self.depth > self.budget:
+      raise ValueError(f"TreeDrafter.depth {self.depth} exceeds the budget {self.budget}")
+
+  def proposal_size(self, gamma: int) -> int:
+    return self.budget
+
+  def init(self, ctx, room: int) -> TreeState:
+    cache = ctx.start_cache("draft", room)
+    return TreeState(cache=cache, held=jnp.zeros((ctx.batch_size,), jnp.int32))
+
+  def _log_law(self, sampling, logits):
+    if sampling.greedy:
+      return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p = sampling.probs(logits)
+    return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), _NEG)
+
+  def propose(self, ctx, state: TreeState, committed: Committed, keys, num: int):
+    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+    B, N, W, E = ctx.batch_size, self.budget, self.width, self.expand
+    m, held = committed.length, state.held
+    # Catch up: feed s_held .. s_m (count <= depth + 1), read the root law at s_m.
+    C = self.depth + 1
+    idx = held[:, None] + jnp.arange(C)[None, :]
+    feed = jax.vmap(committed.token_at, in_axes=1, out_axes=1)(jnp.minimum(idx, m[:, None]))
+    out = draft.decode(params, state.cache.rewind(held), feed)
+    count = m - held + 1
+    root_logits = jnp.take_along_axis(out.logits, (count - 1)[:, None, None], axis=1)[:, 0]
+    cache = ctx.constrain_cache(out.cache.rewind(m + 1), "draft")
+
+    # Round 0: the root's children.
+    root_lp, root_tok = jax.lax.top_k(self._log_law(sampling, root_logits), W)  # [B, W]
+    pad = N - W
+    tok = jnp.concatenate([root_tok, jnp.zeros((B, pad), jnp.int32)], axis=1)
+    score = jnp.concatenate([root_lp, jnp.full((B, pad), _NEG)], axis=1)
+    par = jnp.where(jnp.isfinite(score), -1, -2).astype(jnp.int32)
+    par = par.at[:, W:].set(-2)
+    depth = jnp.where(par >= -1, 1, 0).astype(jnp.int32)
+    expanded = jnp.zeros((B, N), bool)
+
+    for _ in range(self.steps - 1):
+      prop = Proposal(tokens=tok, q=None, parent=par)
+      d = prop.depths()
+      lp = self._log_law(sampling, draft.decode(params, cache, tok, positions=m[:, None] + d,
+                                                tree_mask=prop.ancestor_mask()).logits)
+      child_lp, child_tok = jax.lax.top_k(lp, W)  # [B, N, W]
+      eligible = jnp.isfinite(score) & ~expanded & (depth < self.depth)
+      key, pick = jax.lax.top_k(jnp.where(eligible, score, _NEG), min(E, N))  # [B, E]
+      ok = jnp.isfinite(key)
+      c_tok = jnp.take_along_axis(child_tok, pick[:, :, None], axis=1).reshape(B, -1)
+      c_score = (key[:, :, None] + jnp.take_along_axis(child_lp, pick[:, :, None], axis=1))
+      c_score = jnp.where(ok[:, :, None], c_score, _NEG).reshape(B, -1)
+      c_par = jnp.repeat(pick, W, axis=1)
+      c_depth = jnp.take_along_axis(depth, c_par, axis=1) + 1
+      expanded = expanded | jnp.any((jnp.arange(N)[None, None, :] == pick[:, :, None])
+                                    & ok[:, :, None], axis=1)
+      # Old and new nodes; keep the N best (ties to the shallower), parents first.
+      all_tok = jnp.concatenate([tok, c_tok], axis=1)
+      all_score = jnp.concatenate([score, c_score], axis=1)
+      all_par = jnp.concatenate([par, c_par], axis=1)
+      all_depth = jnp.concatenate([depth, c_depth], axis=1)
+      all_exp = jnp.concatenate([expanded, jnp.zeros_like(c_tok, bool)], axis=1)
+      rank_key = jnp.where(jnp.isfinite(all_score), all_score - 1e-4 * all_depth, _NEG)
+      _, keep = jax.lax.top_k(rank_key, N)  # [B, N] indices into the combined nodes
+      kept_depth = jnp.take_along_axis(all_depth, keep, axis=1)
+      kept_valid = jnp.isfinite(jnp.take_along_axis(all_score, keep, axis=1))
+      order = jnp.argsort(jnp.where(kept_valid, kept_depth, N + 1) * (2 * N)
+                          + jnp.arange(N)[None, :], axis=1)
+      keep = jnp.take_along_axis(keep, order, axis=1)
+      new_index = jnp.full(all_tok.shape, -2, jnp.int32)
+      new_index = jax.vmap(lambda row, k: row.at[k].set(jnp.arange(N, dtype=jnp.int32)))(
+          new_index, keep)
+      take = lambda a: jnp.take_along_axis(a, keep, axis=1)
+      tok, score, depth, expanded = take(all_tok), take(all_score), take(all_depth), take(all_exp)
+      old_par = take(all_par)
+      par = jnp.where(old_par >= 0,
+                      jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), old_par)
+      par = jnp.where(jnp.isfinite(score), par, -2).astype(jnp.int32)
+      tok = jnp.where(jnp.isfinite(score), tok, 0)
+
+    proposal = Proposal(tokens=tok.astype(jnp.int32), q=None, parent=par)
+    return proposal, TreeState(cache=cache, held=m + 1)
