@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, paper_tables,
-                         reproduce, results_readme, setups)
+                         reproduce, results_readme, setups, trees)
 from spec_decode import decoding, theory
 from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
@@ -281,6 +281,22 @@ def test_batch_scaling_tiny(out):
     np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(r["alpha"], 7, r["c"]),
                                rtol=1e-6)
   assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
+
+
+def test_trees_tiny(out):
+  paths = trees.main(["--scale", "tiny", "--tasks", "ende", "--temperatures", "1",
+                      "--budgets", "4", "--num_examples", "2", "--max_tokens", "4",
+                      "--step_timing_repeats", "2", "--results_dir", out["results"],
+                      "--runs_dir", out["runs"]])
+  res = _json(paths["json"])
+  assert [r["decoder"] for r in res["rows"]] == ["chain_g4", "tree_b4"]
+  run = _json(os.path.join(out["runs"], "tiny", "ende_t1", "results.json"))
+  for r in res["rows"]:
+    d = run["decoders"][r["decoder"]]
+    assert r["speedup"] == d["speedup_measured"] and r["tokens_per_call"] >= 1
+  assert run["experiment"]["decoders"]["tree_b4"]["drafter"]["budget"] == 4
+  assert set(res["verify_curve"]["ende"]) == {"1", "2", "4"}
+  assert res["rows"][1]["chosen"] and res["rows"][1]["t_verify_ratio"] > 0
 
 
 def test_results_readme(out):
