@@ -368,3 +368,38 @@ def test_baseline_only_experiment_has_no_cost_model(tmp_path):
   again = summary["decoders"]["again"]
   assert again["identical_fraction"] == 1.0 and again["cost_model"] is None
   assert again["speedup_predicted"] is None and "c" not in summary["timing"]
+
+
+def test_two_processes_resume_with_automatic_gamma(tmp_path):
+  """A multi-process rerun with GAMMA = None reuses process 0's recorded choice on every
+  process (before the fix only process 0 read gamma.json while the others started the
+  collective warm-up decodes, and the run hung)."""
+  import socket
+  out = str(tmp_path / "auto_multi")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=2", "--gin.BATCH_SIZE=2",
+           "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.GAMMA=None",
+           "--gin.ExperimentConfig.gamma_warmup_examples=2",
+           "--gin.ExperimentConfig.mesh='data=2,model=2'", f"--output_dir={out}"]
+  for attempt in range(2):  # the second run resumes the finished directory
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      port = sock.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "spec_decode.main", *flags,
+         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+      logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+    for p, log in zip(procs, logs):
+      assert p.returncode == 0, (attempt, log[-3000:])
+  with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
+    gamma = json.load(f)["gamma"]
+  assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == gamma
+             for r in _rows(out))
