@@ -87,7 +87,7 @@ def test_encoder_batch_pads_and_fills(spm_task):
 
 
 def test_toy_task_uses_byte_vocabulary():
-  task = data.get_task("toy_reverse")
+  task = tasks.get_task("toy_reverse")  # the seqio task (data.get_task serves it without seqio)
   voc = task.output_features["inputs"].vocabulary
   assert isinstance(voc, seqio.ByteVocabulary) and voc.vocab_size == toy_tasks.BYTE_VOCAB_SIZE
   [ex] = data.load_examples(task, split="test", num_examples=1,
