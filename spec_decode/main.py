@@ -44,7 +44,6 @@ run only gin files you trust.
 
 from __future__ import annotations
 
-import difflib
 import getpass
 import hashlib
 import os
@@ -57,7 +56,9 @@ import jax
 
 from spec_decode import cli, distributed
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from spec_decode.gin_config import (GinConfigError, REPO_ROOT, parse_gin, register_gin,  # noqa: F401
+                                   resolve_gin_file, rewrite_gin_args)
+
 DEFAULT_GIN_FILE = "configs/default.gin"
 
 flags.DEFINE_multi_string("gin_file", [], "gin config files, parsed in order")
@@ -69,83 +70,6 @@ cli.define_flags()  # --verbose
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
 FLAGS = flags.FLAGS
 
-_registered = False
-
-
-def register_gin() -> None:
-  """Makes the library's config classes gin-configurable (idempotent)."""
-  global _registered
-  if _registered:
-    return
-  import gin
-
-  from spec_decode import experiment, model_specs
-  gin.external_configurable(experiment.ExperimentConfig, "ExperimentConfig")
-  gin.external_configurable(model_specs.ModelSpec, "ModelSpec")
-  from spec_decode import train
-  gin.external_configurable(train.TrainConfig, "TrainConfig")
-  gin.add_config_file_search_path(REPO_ROOT)
-  _registered = True
-
-
-def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
-  """T5X-style '--gin.NAME=VALUE' -> '--gin_bindings=NAME = VALUE'."""
-  out = []
-  for arg in argv:
-    if arg.startswith("--gin.") and "=" in arg:
-      name, value = arg[len("--gin."):].split("=", 1)
-      out.append(f"--gin_bindings={name} = {value}")
-    else:
-      out.append(arg)
-  return out
-
-
-def resolve_gin_file(path: str) -> str:
-  """`path` as given if it exists, else relative to the repository root (if there)."""
-  if not (os.path.isabs(path) or os.path.exists(path)):
-    in_repo = os.path.join(REPO_ROOT, path)
-    if not os.path.exists(in_repo):
-      raise FileNotFoundError(f"gin file not found: {path} (looked in {os.getcwd()} and "
-                              f"{REPO_ROOT}); configs are in configs/ (e.g. configs/default.gin)")
-    path = in_repo
-  if os.path.isdir(path):
-    raise IsADirectoryError(f"--gin_file {path} is a directory; pass a .gin file in it, e.g. "
-                            f"{next(iter(sorted(_gin_files_in(path))), 'DIR/NAME.gin')}")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"gin file not found: {path}")
-  return path
-
-
-def _gin_files_in(directory: str) -> list[str]:
-  return [os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".gin")]
-
-
-class GinConfigError(ValueError):
-  """A gin file or binding that cannot be used as given."""
-
-
-def _binding_name(binding: str) -> str:
-  return binding.split("=", 1)[0].strip()
-
-
-def _check_macros(gin_bindings: Sequence[str]) -> None:
-  """Each macro bound on the command line must be used by the config (a typo is an error)."""
-  import gin
-  macro_fn = gin.get_configurable(gin.config.macro)
-  config = gin.config._CONFIG  # gin keeps bindings here; it has no public view of macros
-  used = {"/".join(ref.scopes) for ref in gin.config.iterate_references(config, to=macro_fn)}
-  for binding in gin_bindings:
-    for line in binding.splitlines():
-      name = _binding_name(line)
-      if not line.strip() or line.lstrip().startswith("#") or "." in name or "/" in name:
-        continue
-      if name not in used:
-        close = difflib.get_close_matches(name, sorted(used), n=1)
-        hint = f"did you mean {close[0]}?" if close else f"macros the config uses: {sorted(used)}"
-        raise GinConfigError(f"gin binding '{line.strip()}' sets the macro {name}, which no gin "
-                             f"file uses, so it would change nothing; {hint}")
-
-
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]):
   """Parses gin files and bindings and builds the ExperimentConfig they describe.
 
@@ -155,25 +79,13 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]):
   import gin
 
   from spec_decode import experiment
-  register_gin()
-  gin.clear_config()  # one parse per run; also unlocks a config an earlier parse locked
-  files = [resolve_gin_file(f) for f in gin_files]
-  try:
-    gin.parse_config_files_and_bindings(files, list(gin_bindings), skip_unknown=False)
-  except SyntaxError as e:
-    token = str(e).split("Failed to parse token", 1)
-    if len(token) == 2:
-      bad = token[1].split("'")[1] if "'" in token[1] else token[1].strip()
-      raise GinConfigError(f"cannot parse the gin value {bad!r}: strings must be quoted, e.g. "
-                           f"--gin.NAME=\"'{bad}'\" (bindings: {list(gin_bindings)})") from e
-    raise GinConfigError(f"gin syntax error: {e}") from e
-  _check_macros(gin_bindings)
+  parse_gin(gin_files, gin_bindings)
   try:
     return gin.get_configurable(experiment.ExperimentConfig)()
   except TypeError as e:
     if "missing" not in str(e):
       raise
-    raise GinConfigError(f"the gin files {gin_files} do not configure an experiment ({e}); "
+    raise GinConfigError(f"the gin files {list(gin_files)} do not configure an experiment ({e}); "
                          "pass --gin_file=configs/... (see configs/)") from e
 
 
