@@ -80,5 +80,9 @@ def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence
     notices.append(f"{truncated['inputs']} of {len(examples)} inputs were longer than "
                    f"{truncated['inputs_length']} tokens and were cut (raise INPUT_LENGTH / "
                    "feature_lengths['inputs'] to keep them whole)")
+  if truncated.get("targets"):
+    notices.append(f"{truncated['targets']} of {len(examples)} references are longer than "
+                   f"{truncated['targets_length']} tokens, so no output can match them whole "
+                   "(outputs stop at max_decode_len; raise TARGET_LENGTH)")
   return {"resume": {k: v for k, v in resume.items() if k != "message"}, "runs": by_run,
           "truncated": truncated, "notices": notices}

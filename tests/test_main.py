@@ -56,8 +56,14 @@ def test_end_to_end_outputs(greedy_run):
   with open(os.path.join(out, "results.json")) as f:
     stored = json.load(f)
   assert stored["table_row"] == summary["table_row"] and stored["completed"] == 6
-  assert stored["truncated"] == {"examples": 6, "inputs": 0, "targets": 0, "inputs_length": 64,
-                                 "targets_length": 32}
+  from spec_decode import data
+  exs = data.load_examples(data.get_task("toy_reverse"), split="validation", num_examples=6,
+                           feature_lengths={"inputs": 64, "targets": 32})
+  long_targets = sum(ex.target_source_length > 32 for ex in exs)
+  assert stored["truncated"] == {"examples": 6, "inputs": 0, "targets": long_targets,
+                                 "inputs_length": 64, "targets_length": 32}
+  assert any(f"{long_targets} of 6 references are longer than 32" in n
+             for n in stored["notices"]) == (long_targets > 0)
   [run] = stored["runs"].values()
   assert run["rows"] == 6 and run["c"] == stored["timing"]["c"]
   text = main.format_summary(dict(summary, output_dir=out))

@@ -68,6 +68,7 @@ def load_examples(task, *, split: str, num_examples: int | None,
   if hasattr(task, "token_examples"):  # a generated task served without seqio
     raw = task.token_examples(split, num_examples)
   else:
+    _warn_if_tfds_unprepared(task)
     # Uncut sequences (EOS appended), cut below exactly as seqio would, counting the cuts.
     ds = task.get_dataset(sequence_length=None, split=split, shuffle=False, num_epochs=1,
                           use_cached=False)
@@ -84,6 +85,24 @@ def load_examples(task, *, split: str, num_examples: int | None,
   if not out:
     raise ValueError(f"task {task.name!r} split {split!r} yielded no examples")
   return out
+
+
+def _warn_if_tfds_unprepared(task) -> None:
+  """Says so before TFDS starts a long download-and-prepare (or fails offline after minutes)."""
+  loader = getattr(getattr(task, "source", None), "tfds_dataset", None)
+  if loader is None:
+    return
+  try:
+    builder = loader.builder
+    prepared = builder.is_prepared()
+    where = builder.data_dir_root
+  except Exception:  # the check is advisory; get_dataset reports real failures
+    return
+  if not prepared:
+    from absl import logging
+    logging.warning("TFDS dataset %s is not prepared in %s: TFDS now downloads and prepares it "
+                    "(needs network and several GB, can take long); to use a copy prepared "
+                    "elsewhere, set ExperimentConfig.tfds_data_dir", loader.name, where)
 
 
 def truncation_counts(examples: Sequence[Example],
