@@ -56,8 +56,9 @@ import jax
 
 from spec_decode import cli, distributed
 
-from spec_decode.gin_config import (GinConfigError, REPO_ROOT, parse_gin, register_gin,  # noqa: F401
-                                   resolve_gin_file, rewrite_gin_args)
+# Re-exported: the command line's gin helpers (`spec_decode.gin_config`).
+from spec_decode.gin_config import (  # noqa: F401
+    GinConfigError, REPO_ROOT, parse_gin, register_gin, resolve_gin_file, rewrite_gin_args)
 
 DEFAULT_GIN_FILE = "configs/default.gin"
 

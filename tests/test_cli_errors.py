@@ -184,3 +184,37 @@ def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
   assert "decoded by 2 runs" in text and "different devices" in text
   assert "2 of 4 inputs were longer than 8 tokens" in text
   assert run_status.recorded_step_times(out) == {"c": 0.2}
+
+
+def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_path):
+  """The no-argument job (2 examples): progress lines from the start, no platform-probing
+  noise or config dump, one summary block saying where the files are; no TensorFlow."""
+  out = str(tmp_path / "default")
+  code = ("import runpy, sys\n"
+          f"sys.argv = ['spec_decode.main', '--output_dir={out}', '--gin.NUM_EXAMPLES=2',\n"
+          "            '--gin.ExperimentConfig.gamma_warmup_examples=1',\n"
+          "            '--gin.ExperimentConfig.step_timing_repeats=2']\n"
+          "try:\n"
+          "  runpy.run_module('spec_decode.main', run_name='__main__', alter_sys=True)\n"
+          "except SystemExit as e:\n"
+          "  assert not e.code, e.code\n"
+          "bad = [m for m in ('tensorflow', 'seqio') if m in sys.modules]\n"
+          "assert not bad, bad\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  err = [line for line in proc.stderr.replace("\r", "\n").splitlines()
+         if line.strip() and "ex/s" not in line and "%|" not in line]
+  progress = [line for line in err if line.startswith("[spec_decode] ")]
+  assert err == progress, err  # nothing but progress lines: no probing noise, no config dump
+  text = " ".join(progress)
+  for step in ("loading task synthetic_ende", "loading the target model",
+               "loading the draft model", "decoding 2 examples", "choosing gamma",
+               "compiling both decoders", "measuring single-step times"):
+    assert step in text, step
+  assert text.index("loading task") < text.index("compiling")
+  stdout = proc.stdout
+  assert f"files: {out}/" in stdout and "| EnDe (synthetic) |" in stdout
+  assert "measured speedup" in stdout and "X: autoregressive / speculative" in stdout
+  assert "was chosen by theory.optimal_gamma" in stdout and "identical outputs" in stdout
+  assert max(len(line) for line in stdout.splitlines()) < 300
