@@ -218,3 +218,31 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
   assert "measured speedup" in stdout and "X: autoregressive / speculative" in stdout
   assert "was chosen by theory.optimal_gamma" in stdout and "identical outputs" in stdout
   assert max(len(line) for line in stdout.splitlines()) < 300
+
+
+@pytest.mark.parametrize("module,args,match", [
+    ("spec_decode.train", ["--gin_file=configs/demo/ende_small.gin", "--gin.NUM_STEP=3"],
+     "spec_decode.train: error: GinConfigError: gin binding 'NUM_STEP = 3' sets the macro"),
+    ("spec_decode.train", ["--gin_file=configs/demo"], "spec_decode.train: error: "
+     "IsADirectoryError: --gin_file configs/demo is a directory"),
+    ("spec_decode.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.memory: error: "
+     "FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
+])
+def test_other_command_lines_end_known_errors_in_one_line(module, args, match):
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(match), proc.stderr[-2000:]
+
+
+def test_data_extra_installs_what_tfds_imports_lazily():
+  """tensorflow-datasets 4.9.10 imports importlib_resources when it builds a dataset (Python
+  3.11) without declaring it: the [data] extra must."""
+  import ast
+  tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+  extras = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for kw in node.keywords if kw.arg == "extras_require")
+  extras = ast.literal_eval(extras)
+  assert "importlib_resources" in extras["data"]
+  assert any(r.startswith("tensorflow-datasets") for r in extras["data"])
