@@ -36,11 +36,14 @@ setuptools.setup(
             "matplotlib",
         ],
         # seqio pulls TensorFlow; versions tested together with jax 0.10 / numpy 2.4.
+        # tensorflow-datasets imports importlib_resources lazily (when it builds a
+        # dataset) without declaring it; the paper configs fail without it.
         "data": [
             "seqio==0.0.20",
             "tensorflow==2.21.0",
             "tensorflow-text==2.21.1",
             "tensorflow-datasets==4.9.10",
+            "importlib_resources",
             "sacrebleu==2.6.0",
             "rouge-score==0.1.2",
         ],

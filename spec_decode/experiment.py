@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import (batching, data, decoding, distributed, metrics, model_specs, partitioning,
-                         report, results, theory, timing)
+from spec_decode import (batching, cli, data, decoding, distributed, metrics, model_specs,
+                         partitioning, report, results, run_status, theory, timing)
 from spec_decode.model_specs import LoadContext, ModelSpec
 
 
@@ -222,11 +222,16 @@ def _is_writer() -> bool:
   return jax.process_index() == 0
 
 
-def setup(config: ExperimentConfig) -> _Setup:
-  """Resolves the task, examples, mesh and models (local checkpoint paths checked first)."""
+def setup(config: ExperimentConfig, *, status: Callable[[str], None] = lambda msg: None
+          ) -> _Setup:
+  """Resolves the task, examples, mesh and models (local checkpoint paths checked first).
+
+  status(message) is told what is being loaded (the command line prints it).
+  """
   roles = ("target",) if config.draft is None else ("target", "draft")
   for role in roles:
     model_specs.check_checkpoint(getattr(config, role), role)
+  status(f"loading task {config.task} ({config.split}) and its examples")
   task = data.get_task(config.task, **({"vocabulary": config.vocabulary}
                                        if config.vocabulary else {}),
                        **({"tfds_data_dir": config.tfds_data_dir}
@@ -239,11 +244,13 @@ def setup(config: ExperimentConfig) -> _Setup:
   elif jax.process_count() > 1:
     raise ValueError(f"a run over {jax.process_count()} processes needs a mesh over their "
                      "devices: set ExperimentConfig.mesh, e.g. 'data=-1,model=1'")
+  status(f"loading the target model ({config.target.label})")
   target, tparams = model_specs.load(config.target, LoadContext("target", mesh=mesh))
   vocab_size = task.output_features["targets"].vocabulary.vocab_size
   if vocab_size > target.vocab_size:
     raise ValueError(f"task {config.task!r} has a vocabulary of {vocab_size} ids but the target "
                      f"model only {target.vocab_size}")
+  data.check_token_ids(examples, target.vocab_size, what="target")  # jit would not notice
 
   def target_sequences(split: str, n: int | None) -> list[tuple[int, ...]]:
     exs = data.load_examples(task, split=split, num_examples=n,
@@ -252,6 +259,7 @@ def setup(config: ExperimentConfig) -> _Setup:
 
   draft = dparams = None
   if config.draft is not None:
+    status(f"loading the draft model ({config.draft.label})")
     draft, dparams = model_specs.load(config.draft, LoadContext(
         "draft", vocab_size=target.vocab_size, mesh=mesh, target_sequences=target_sequences))
   if mesh is not None:  # the decoders' layouts: target by T5X's rules, draft replicated
@@ -455,11 +463,24 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
   """Runs (or resumes) `config` into output_dir and returns the results dict.
 
   on_batch(b) is called after batch b's rows are written (e.g. for logging).
+  output_dir is locked for the run (`results.locked`): a second run into it
+  fails at once. A rerun says "resuming K/N" or "already complete"; an already
+  complete rerun decodes and measures nothing and reports the recorded step
+  times; each run's own timings are listed in the results' 'runs'
+  (`results.timing_by_run`).
   """
   if not isinstance(config, ExperimentConfig):
     raise ValueError(f"config must be an ExperimentConfig, got {type(config).__name__}")
+  with results.locked(output_dir, enabled=_is_writer()):
+    return _run_experiment(config, output_dir=output_dir, show_progress=show_progress,
+                           on_batch=on_batch)
+
+
+def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: bool,
+                    on_batch: Callable[[int], None] | None) -> dict[str, Any]:
   start = time.perf_counter()
-  s = setup(config)  # before anything is written: a config that fails leaves no trace
+  say = lambda msg: cli.status(msg, enabled=show_progress and _is_writer())
+  s = setup(config, status=say)  # before anything is written: a failing config leaves no trace
   path = f"{output_dir}/{results.PREDICTIONS}"
   if _is_writer():
     # A checkpoint retrained in place must not resume the old model's predictions.
@@ -471,18 +492,33 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
   # process 0's view of the output directory decides
   done = np.asarray(_broadcast(np.array([ex.index in rows for ex in s.examples], bool)))
   todo = [ex for ex, d in zip(s.examples, done) if not d]
+  resume = run_status.resume_state(len(s.examples), len(todo), path)
+  say(resume["message"])
+  old_runs = {results.run_id_of(r) for r in rows.values()}
   gamma_choice = None
   if config.gamma is None and not config.decoders:
+    say(f"choosing gamma: measuring alpha and c on {config.gamma_warmup_examples} warm-up "
+        "examples")
     gamma_choice = choose_gamma(s, output_dir)
     s = dataclasses.replace(s, config=dataclasses.replace(config, gamma=gamma_choice["gamma"]))
   compile_times = {}  # this run's; empty when nothing was left to decode
   if todo:
+    say("compiling both decoders and warming up on the first batch, then decoding")
     compile_times = _decode_remaining(s, todo, output_dir, show_progress=show_progress,
                                       on_batch=on_batch)
-  step_times = measure_step_times(s, repeats=config.step_timing_repeats)
+  # Nothing decoded: report the step times measured with the rows (every process must
+  # agree on measuring, so a multi-process run always measures).
+  step_times = (run_status.recorded_step_times(output_dir)
+                if not todo and jax.process_count() == 1 else None)
+  if step_times is None:
+    say("measuring single-step times of target and draft (c)")
+    step_times = measure_step_times(s, repeats=config.step_timing_repeats)
   if not _is_writer():
     return {}
   rows = results.read_rows(path)
+  new_runs = {results.run_id_of(r) for r in rows.values()} - old_runs
+  for run_id in new_runs:
+    results.record_run(output_dir, run_id, run_status.run_info(step_times))
   results.write_json(f"{output_dir}/{results.PROGRESS}",
                      {"completed": sum(ex.index in rows for ex in s.examples),
                       "total": len(s.examples)})
@@ -490,6 +526,7 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
                              rows=rows, step_times=step_times, compile_times=compile_times)
   summary["gamma_selection"] = gamma_choice
   summary["timing"]["run_seconds"] = time.perf_counter() - start
+  summary.update(run_status.summary_extras(output_dir, rows, s.examples, config, resume))
   results.write_json(f"{output_dir}/{results.RESULTS}", summary)
   results.write_text(f"{output_dir}/{results.TABLE_ROW}",
                      report.TABLE_HEADER + summary["table_row"] + "\n")

@@ -13,106 +13,93 @@ experiment on the shipped demo models (configs/demo/ende_experiment.gin).
 The gin files bind `ExperimentConfig` (see
 `spec_decode.experiment`), whose `target` and `draft` are `ModelSpec`s.
 
-Output directory (--output_dir; default /tmp/spec_decode/<last gin file's name>):
-  predictions.jsonl  one line per example: index, inputs, target, ar_output,
-                     spec_output, identical (token-level), their tokens and
-                     lengths, the per-row counters (target_calls, draft_tokens,
-                     accepted, decisions, min_pq_sum, ar_target_calls,
-                     accepted_at/decided_at per draft position)
-                     and its batch's timings (batch, ar/spec_batch_seconds);
-                     appended after every batch
+Output directory (--output_dir; default <tmp>/spec_decode-<user>/<last gin file's name>-<hash
+of this checkout's path>, so checkouts and users never share one):
+  predictions.jsonl  one line per example: index, inputs, target, batch, and
+                     per decoder ("autoregressive", "speculative" or the
+                     names in ExperimentConfig.decoders) its output, tokens,
+                     length, its batch's seconds and its named counters
+                     (speculative: target_calls, draft_tokens, accepted,
+                     decisions, min_pq_sum, accepted_at/decided_at per draft
+                     position); appended after every batch
   config.json        the experiment's settings (a rerun must match them)
   progress.json      completed / total examples
-  results.json       metrics of both decoders (BLEU or ROUGE), identical
+  results.json       metrics of every decoder (BLEU or ROUGE); per decoder
+                     under 'decoders' and for the primary one at the top: identical
                      fraction, alpha (observed and estimated), tokens per
                      target call, per-position acceptance, step times and c,
                      measured speedup and Thm 3.8's prediction, compile times
   table_row.md       the paper's Table 4 header and this run's row
   config.gin         gin's operative config of the run
-Rerunning with the same output_dir resumes: finished examples are skipped and
-the summary is recomputed from all rows.
+  runs.json          each run that decoded rows: host, devices, its c
+Rerunning with the same output_dir resumes and says so ("resuming K/N", or
+"already complete": nothing is decoded or re-measured); the summary is
+recomputed from all rows, each run's own timings listed (`spec_decode.run_status`).
+The directory is locked while a run writes to it; a second run is refused.
+
+Errors in what you typed (a gin binding, a path, a missing extra) end in one
+line naming the problem and exit code 2; --verbose shows the traceback.
+gin files are Python-like code that can call any registered configurable:
+run only gin files you trust.
 """
 
 from __future__ import annotations
 
+import getpass
+import hashlib
 import os
+import tempfile
 from typing import Sequence
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import jax
 
-from spec_decode import distributed
+from spec_decode import cli, distributed
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Re-exported: the command line's gin helpers (`spec_decode.gin_config`).
+from spec_decode.gin_config import (  # noqa: F401
+    GinConfigError, REPO_ROOT, parse_gin, register_gin, resolve_gin_file, rewrite_gin_args)
+
 DEFAULT_GIN_FILE = "configs/default.gin"
 
 flags.DEFINE_multi_string("gin_file", [], "gin config files, parsed in order")
 flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'ExperimentConfig.gamma = 5'; "
                           "--gin.NAME=VALUE is rewritten to one of these")
 flags.DEFINE_string("output_dir", None, "directory for predictions and results")
-flags.DEFINE_bool("progress", True, "show a progress bar")
+flags.DEFINE_bool("progress", True, "show progress lines and a progress bar")
+cli.define_flags()  # --verbose
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
 FLAGS = flags.FLAGS
 
-_registered = False
-
-
-def register_gin() -> None:
-  """Makes the library's config classes gin-configurable (idempotent)."""
-  global _registered
-  if _registered:
-    return
-  import gin
-
-  from spec_decode import decoding, experiment, model_specs
-  gin.external_configurable(experiment.ExperimentConfig, "ExperimentConfig")
-  for cls in decoding.registry.all_classes():  # algorithms, drafters, verifiers
-    gin.external_configurable(cls, cls.__name__)
-  gin.external_configurable(model_specs.ModelSpec, "ModelSpec")
-  from spec_decode import train
-  gin.external_configurable(train.TrainConfig, "TrainConfig")
-  gin.add_config_file_search_path(REPO_ROOT)
-  _registered = True
-
-
-def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
-  """T5X-style '--gin.NAME=VALUE' -> '--gin_bindings=NAME = VALUE'."""
-  out = []
-  for arg in argv:
-    if arg.startswith("--gin.") and "=" in arg:
-      name, value = arg[len("--gin."):].split("=", 1)
-      out.append(f"--gin_bindings={name} = {value}")
-    else:
-      out.append(arg)
-  return out
-
-
-def resolve_gin_file(path: str) -> str:
-  """`path` as given if it exists, else relative to the repository root (if there)."""
-  if os.path.isabs(path) or os.path.exists(path):
-    return path
-  in_repo = os.path.join(REPO_ROOT, path)
-  if os.path.exists(in_repo):
-    return in_repo
-  raise FileNotFoundError(f"gin file not found: {path} (looked in {os.getcwd()} and {REPO_ROOT})")
-
-
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]):
-  """Parses gin files and bindings and builds the ExperimentConfig they describe."""
+  """Parses gin files and bindings and builds the ExperimentConfig they describe.
+
+  Unknown configurables and parameters are errors (gin's default), and so is
+  a macro bound in `gin_bindings` that no file uses (`--gin.GAMA=9`).
+  """
   import gin
 
   from spec_decode import experiment
-  register_gin()
-  gin.clear_config()  # one parse per run; also unlocks a config an earlier parse locked
-  gin.parse_config_files_and_bindings([resolve_gin_file(f) for f in gin_files],
-                                      list(gin_bindings))
-  return gin.get_configurable(experiment.ExperimentConfig)()
+  parse_gin(gin_files, gin_bindings)
+  try:
+    return gin.get_configurable(experiment.ExperimentConfig)()
+  except TypeError as e:
+    if "missing" not in str(e):
+      raise
+    raise GinConfigError(f"the gin files {list(gin_files)} do not configure an experiment ({e}); "
+                         "pass --gin_file=configs/... (see configs/)") from e
 
 
 def default_output_dir(gin_files: Sequence[str]) -> str:
+  """<tmp>/spec_decode-<user>/<last gin file's name>-<hash of this checkout's path>."""
   name = os.path.splitext(os.path.basename(gin_files[-1]))[0] if gin_files else "default"
-  return os.path.join("/tmp/spec_decode", name)
+  try:
+    user = getpass.getuser()
+  except Exception:  # no user name in some containers
+    user = str(os.getuid())
+  checkout = hashlib.sha256(REPO_ROOT.encode()).hexdigest()[:8]
+  return os.path.join(tempfile.gettempdir(), f"spec_decode-{user}", f"{name}-{checkout}")
 
 
 def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str | None, *,
@@ -124,38 +111,89 @@ def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str |
   gin_files = list(gin_files) or [DEFAULT_GIN_FILE]
   config = parse_config(gin_files, gin_bindings)
   output_dir = output_dir or default_output_dir(gin_files)
-  logging.info("experiment %s -> %s", config, output_dir)
+  results.check_output_dir(output_dir)  # before any model is loaded
+  cli.status(f"experiment {', '.join(gin_files)} -> {output_dir}", enabled=show_progress)
   summary = experiment.run_experiment(config, output_dir=output_dir,
                                       show_progress=show_progress)
   if summary:  # process 0 writes
     results.write_text(os.path.join(output_dir, "config.gin"), gin.operative_config_str())
+    summary["output_dir"] = output_dir
   return summary
 
 
+def _x(value) -> str:
+  return "n/a" if value is None else f"{value:.2f}X"
+
+
+def _fmt3(x) -> str:
+  return "n/a" if x is None else f"{x:.3f}"
+
+
 def format_summary(summary: dict) -> str:
-  """The Table-4-style row, then quality of both decoders, identity rate and gamma choice."""
+  """The one block a person reads: where the files are, the numbers and what each means."""
   from spec_decode import report
-  lines = [report.TABLE_HEADER + summary["table_row"]]
-  for name, values in summary["metrics"].items():
-    lines.append(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(values.items())))
-  if summary.get("identical_fraction") is not None:
-    lines.append(f"identical outputs: {summary['identical_fraction']:.1%}")
+  exp, timing = summary.get("experiment", {}), summary.get("timing", {})
+  temperature = exp.get("temperature", 0.0)
+  out_dir = summary.get("output_dir")
+  lines = [f"== {exp.get('task')} ({exp.get('split')}): {summary.get('completed')} of "
+           f"{summary.get('num_examples')} examples, temperature {temperature:g}, "
+           f"gamma {exp.get('gamma')} =="]
+  if out_dir:
+    lines.append(f"files: {out_dir}/ (predictions.jsonl: one row per example; results.json: "
+                 "every number; table_row.md; config.gin)")
+  lines.append(report.TABLE_HEADER + summary["table_row"])
+  decoders = summary.get("decoders", {})
+  if len(decoders) > 1:  # named decoders: one line each, against the baseline
+    for name, d in decoders.items():
+      lines.append(f"decoder {name} ({d.get('algorithm')}): measured speedup "
+                   f"{_x(d.get('speedup_measured'))}, tokens per target call "
+                   f"{_fmt3(d.get('tokens_per_target_call'))}, identical "
+                   f"{_fmt3(d.get('identical_fraction'))}")
+  c = timing.get("c")
+  lines.append(f"measured speedup {_x(summary.get('speedup_measured'))}: autoregressive / "
+               "speculative decode time, summed over batches, compilation excluded")
+  if summary.get("speedup_predicted") is not None:
+    lines.append(f"predicted speedup {_x(summary['speedup_predicted'])}: Thm 3.8 from alpha "
+                 f"{summary['alpha']:.3f} and c {c:.3f} (below)")
+  if summary.get("alpha") is not None:
+    observed = summary.get("alpha_observed")
+    lines.append(f"alpha {summary['alpha']:.3f}: expected acceptance rate, mean over drafted "
+                 "positions of sum_x min(p, q)"
+                 + (f" (fraction actually accepted: {observed:.3f})" if observed is not None
+                    else ""))
+  if c is not None:
+    lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
+                 f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "
+                 f"{timing.get('target_step_seconds', 0) * 1e3:.2f} ms)")
   choice = summary.get("gamma_selection")
   if choice:
-    lines.append(f"gamma {choice['gamma']} chosen by theory.optimal_gamma from alpha "
+    lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma from alpha "
                  f"{choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
-                 f"{choice['warmup_examples']} warm-up examples")
+                 f"{choice['warmup_examples']} warm-up examples; alpha and c above are from the "
+                 "full run")
+  for name, values in summary.get("metrics", {}).items():
+    lines.append(f"quality, {name}: " + ", ".join(f"{k} {v:.2f}"
+                                                 for k, v in sorted(values.items())))
+  if summary.get("identical_fraction") is not None:
+    why = ("at temperature 0 both decoders are greedy, so outputs should match" if
+           temperature == 0 else "both decoders sample: speculative sampling keeps the target's "
+           "distribution, not the baseline's draws, so a low value is expected")
+    lines.append(f"identical outputs: {summary['identical_fraction']:.1%} ({why})")
+  for notice in summary.get("notices", ()):
+    lines.append(f"note: {notice}")
   return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  distributed.initialize_from_flags()  # no-op for one process
-  summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
-                show_progress=FLAGS.progress and jax.process_index() == 0)
-  if summary:  # process 0
-    print(format_summary(summary))
+  with cli.handle_errors("spec_decode.main"):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.quiet_logging()
+    distributed.initialize_from_flags()  # no-op for one process
+    summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
+                  show_progress=FLAGS.progress and jax.process_index() == 0)
+    if summary:  # process 0
+      print(format_summary(summary))
 
 
 def _parse_flags(argv: Sequence[str]):

@@ -323,6 +323,13 @@ def _ensure_devices(needed: int) -> None:
 
 
 def main(argv):
+  from spec_decode import cli
+  with cli.handle_errors("spec_decode.memory"):
+    cli.quiet_logging()
+    _main(argv)
+
+
+def _main(argv):
   FLAGS = flags.FLAGS
   if FLAGS.from_json:
     with open(FLAGS.from_json) as f:
@@ -361,5 +368,7 @@ def _print_report(plans: Sequence[MemoryPlan]) -> None:
 
 
 if __name__ == "__main__":
+  from spec_decode import cli as _cli
   _define_flags()
+  _cli.define_flags()
   app.run(main)

@@ -37,6 +37,10 @@ class ModelSpec:
     float32 on CPU for checkpoints, float32 for random models.
   name: label in tables (default: preset or checkpoint directory name).
   options: kind-specific settings (ngram: order, split, num_examples, smoothing).
+  allow_missing_chunks: read a T5X checkpoint's absent zarr chunks as zeros
+    instead of refusing it (recorded in config.json / results.json when set).
+  allow_outside_paths: accept checkpoint metadata naming files outside the
+    checkpoint directory (T5X TensorStore paths, HF index shards).
   """
   kind: str = "t5"
   checkpoint: str | None = None
@@ -46,6 +50,8 @@ class ModelSpec:
   dtype: str | None = None
   name: str | None = None
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  allow_missing_chunks: bool = False
+  allow_outside_paths: bool = False
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or not self.kind:
@@ -66,6 +72,9 @@ class ModelSpec:
         raise ValueError(f"ModelSpec.dtype {self.dtype!r} is not a dtype") from e
       if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"ModelSpec.dtype must be a floating dtype, got {self.dtype!r}")
+    for name in ("allow_missing_chunks", "allow_outside_paths"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ModelSpec.{name} must be True or False, got {getattr(self, name)!r}")
     object.__setattr__(self, "config", dict(self.config))
     object.__setattr__(self, "options", dict(self.options))
 
@@ -82,6 +91,9 @@ class ModelSpec:
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
     d["checkpoint"] = None if self.checkpoint is None else os.fspath(self.checkpoint)
+    for name in ("allow_missing_chunks", "allow_outside_paths"):
+      if not d[name]:
+        del d[name]  # recorded only when set, so older runs' config.json still match
     return d
 
 
@@ -188,7 +200,9 @@ def _load_t5(spec: ModelSpec, context: LoadContext) -> tuple[t5.T5, dict]:
   check_checkpoint(spec, context.role)
   path = resolve_checkpoint(spec.checkpoint)
   from spec_decode import checkpoints
-  config, params = checkpoints.load(path, dtype=spec.dtype, mesh=context.mesh)
+  config, params = checkpoints.load(path, dtype=spec.dtype, mesh=context.mesh,
+                                    allow_missing_chunks=spec.allow_missing_chunks,
+                                    allow_outside_paths=spec.allow_outside_paths)
   if expected is not None:
     diff = {f: (getattr(config, f), getattr(expected, f)) for f in _SHAPE_FIELDS
             if getattr(config, f) != getattr(expected, f)}

@@ -341,22 +341,37 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
 
 
 def main(argv) -> None:
+  """`python -m spec_decode.train --gin_file=... [--gin.NAME=VALUE]`: one line per error."""
   import gin
-  from absl import flags
-  del argv
-  gin.parse_config_files_and_bindings(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-  cfg = gin.get_configurable("TrainConfig")()
-  train(cfg, report=lambda s: print(s, flush=True))
+  from absl import app, flags
+
+  from spec_decode import cli, gin_config
+  with cli.handle_errors("spec_decode.train"):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.quiet_logging()
+    gin_config.parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
+    try:
+      cfg = gin.get_configurable(TrainConfig)()
+    except TypeError as e:
+      raise gin_config.GinConfigError(f"the gin files do not configure a TrainConfig ({e}); pass "
+                                      "--gin_file=configs/demo/... (see configs/demo/)") from e
+    train(cfg, report=lambda s: print(s, flush=True))
 
 
-def _register_gin() -> None:
-  import gin
-  gin.external_configurable(TrainConfig, "TrainConfig")
+def run_cli() -> None:
+  from absl import app, flags
+
+  from spec_decode import cli, gin_config
+  if "gin_file" not in flags.FLAGS:
+    flags.DEFINE_multi_string("gin_file", [], "gin files to parse (in order)")
+    flags.DEFINE_multi_string("gin_bindings", [], "extra gin bindings, e.g. "
+                              "TrainConfig.num_steps=10; --gin.NAME=VALUE also works")
+  cli.define_flags()
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_config.rewrite_gin_args(argv)))
 
 
 if __name__ == "__main__":
-  from absl import app, flags
-  flags.DEFINE_multi_string("gin_file", [], "gin files to parse (in order)")
-  flags.DEFINE_multi_string("gin_bindings", [], "extra gin bindings, e.g. TrainConfig.num_steps=10")
-  _register_gin()
-  app.run(main)
+  # Run the importable module's copy, so gin registers one TrainConfig class.
+  from spec_decode import train as _train
+  _train.run_cli()

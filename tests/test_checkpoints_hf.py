@@ -116,3 +116,26 @@ def test_hf_errors(tmp_path):
        "num_layers": 2, "num_heads": 4, "feed_forward_proj": "gated-silu"}))
   with pytest.raises(checkpoints.CheckpointError, match="feed_forward_proj 'gated-silu'"):
     checkpoints.load(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("shard", ["../outside/model.safetensors", "/tmp/model.safetensors"])
+def test_index_shard_outside_the_directory_is_refused(tmp_path, shard):
+  """An index's weight_map may only name files inside the checkpoint, unless allowed."""
+  import shutil
+  model = make_hf()
+  model.save_pretrained(tmp_path / "hf")
+  hf_dir = tmp_path / "hf"
+  outside = (hf_dir / shard) if not shard.startswith("/") else tmp_path / "abs.safetensors"
+  outside.parent.mkdir(parents=True, exist_ok=True)
+  shutil.move(hf_dir / "model.safetensors", outside)
+  shard = shard if not shard.startswith("/") else str(outside)
+  from safetensors import safe_open
+  with safe_open(str(outside), framework="np") as f:
+    names = list(f.keys())
+  (hf_dir / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {n: shard for n in names}}))
+  with pytest.raises(checkpoints.CheckpointError,
+                     match="weight_map names .*which lies outside the checkpoint"):
+    checkpoints.load(hf_dir)
+  config, params = checkpoints.load(hf_dir, dtype=jnp.float32, allow_outside_paths=True)
+  np.testing.assert_allclose(our_logits(config, params), hf_logits(model), atol=1e-4)

@@ -182,12 +182,65 @@ def test_truncated_chunk(saved):
     checkpoints.load(saved)
 
 
-def test_missing_chunk_warns(saved, caplog):
-  """Zarr reads an absent chunk as zeros; the loader says so (T5X would read zeros silently)."""
+def test_missing_chunk_is_an_error_unless_allowed(saved, caplog):
+  """Zarr reads an absent chunk as zeros (alpha fell from 0.83 to 0.39): refuse, unless allowed."""
   os.remove(saved / "target.decoder.logits_dense.kernel" / "0.0")
-  _, params = checkpoints.load(saved, dtype=jnp.float32)
+  with pytest.raises(checkpoints.CheckpointError,
+                     match=r"target/decoder/logits_dense/kernel: 1 of 1 chunk files are absent .*"
+                           r"copy the checkpoint again, or pass allow_missing_chunks=True"):
+    checkpoints.load(saved, dtype=jnp.float32)
+  _, params = checkpoints.load(saved, dtype=jnp.float32, allow_missing_chunks=True)
   assert "decoder/logits_dense/kernel: 1 of 1 chunks are absent" in caplog.text
   assert not np.any(np.asarray(params["decoder"]["logits_dense"]["kernel"]))
+
+
+def test_writer_stores_all_zero_chunks(tmp_path):
+  """Our own checkpoints are complete even where a chunk is all zeros."""
+  params = jax.tree.map(jnp.zeros_like, t5.T5(CONFIG).init(jax.random.PRNGKey(0)))
+  path = tmp_path / "zeros"
+  checkpoints.save(path, CONFIG, params, format="t5x")
+  assert os.listdir(path / "target.decoder.logits_dense.kernel") != [".zarray"]
+  _, loaded = checkpoints.load(path, dtype=jnp.float32)  # no absent chunks: no error
+  assert not np.any(np.asarray(loaded["decoder"]["logits_dense"]["kernel"]))
+
+
+@pytest.mark.parametrize("bad", ["/etc/target.a", "../other/target.a", "a/../../x",
+                                 "gs://elsewhere/x"])
+def test_spec_paths_outside_the_checkpoint_are_refused(bad):
+  spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": bad}}
+  with pytest.raises(checkpoints.CheckpointError, match="lies outside the checkpoint"):
+    t5x_legacy.resolve_spec(spec, "/data/checkpoint_5")
+  if not bad.startswith("gs://"):
+    allowed = t5x_legacy.resolve_spec(spec, "/data/checkpoint_5", allow_outside_paths=True)
+    assert allowed["kvstore"]["driver"] == "file"
+
+
+def test_loading_refuses_an_outside_spec_path(saved, tmp_path):
+  """A msgpack whose spec points at ../ is refused before anything is read."""
+  from spec_decode.checkpoints import msgpack_codec
+  file = saved / "checkpoint"
+  tree = msgpack_codec.decode(file.read_bytes())
+  leaf = tree["optimizer"]["target"]["decoder"]["logits_dense"]["kernel"]
+  shutil.move(saved / leaf["kvstore"]["path"], tmp_path / "stolen")
+  leaf["kvstore"]["path"] = "../stolen"
+  file.write_bytes(msgpack_codec.encode(tree))
+  with pytest.raises(checkpoints.CheckpointError, match="'../stolen', which lies outside"):
+    checkpoints.load(saved)
+  _, params = checkpoints.load(saved, dtype=jnp.float32, allow_outside_paths=True)
+  assert params["decoder"]["logits_dense"]["kernel"].shape == (CONFIG.emb_dim, CONFIG.vocab_size)
+
+
+def test_gcs_without_network_times_out_with_a_clear_error(monkeypatch):
+  """No network here: the GCS driver would retry for minutes; the loader gives up in time."""
+  import time
+  from spec_decode.checkpoints import storage
+  monkeypatch.setattr(storage, "GCS_TIMEOUT_S", 1.0)
+  start = time.monotonic()
+  with pytest.raises(checkpoints.CheckpointError,
+                     match=r"no answer from Google Cloud Storage within 1 s while .* "
+                           r"gs://spec-decode-test-bucket/ckpt.*Copy the checkpoint"):
+    checkpoints.load("gs://spec-decode-test-bucket/ckpt/checkpoint_1")
+  assert time.monotonic() - start < 30
 
 
 def test_missing_array_directory(saved):
@@ -237,3 +290,18 @@ def test_corrupt_msgpack_and_missing_target(tmp_path):
       msgpack.packb({"version": 3, "optimizer": {"state": {}}}))
   with pytest.raises(checkpoints.CheckpointError, match="has no 'target' parameter tree"):
     checkpoints.load(tmp_path / "b")
+
+
+def test_model_spec_passes_allow_missing_chunks_and_records_it(saved):
+  from spec_decode import model_specs
+  os.remove(saved / "target.decoder.logits_dense.kernel" / "0.0")
+  spec = model_specs.ModelSpec(checkpoint=str(saved), dtype="float32")
+  assert "allow_missing_chunks" not in spec.to_json()
+  with pytest.raises(checkpoints.CheckpointError, match="chunk files are absent"):
+    model_specs.load(spec, model_specs.LoadContext("target"))
+  allowed = model_specs.ModelSpec(checkpoint=str(saved), dtype="float32",
+                                  allow_missing_chunks=True)
+  model_specs.load(allowed, model_specs.LoadContext("target"))
+  assert allowed.to_json()["allow_missing_chunks"] is True
+  with pytest.raises(ValueError, match="allow_missing_chunks must be True or False"):
+    model_specs.ModelSpec(checkpoint=str(saved), allow_missing_chunks="yes")

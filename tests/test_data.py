@@ -87,7 +87,7 @@ def test_encoder_batch_pads_and_fills(spm_task):
 
 
 def test_toy_task_uses_byte_vocabulary():
-  task = data.get_task("toy_reverse")
+  task = tasks.get_task("toy_reverse")  # the seqio task (data.get_task serves it without seqio)
   voc = task.output_features["inputs"].vocabulary
   assert isinstance(voc, seqio.ByteVocabulary) and voc.vocab_size == toy_tasks.BYTE_VOCAB_SIZE
   [ex] = data.load_examples(task, split="test", num_examples=1,
@@ -151,3 +151,17 @@ def test_task_names_lists_builtin_and_registered(spm_task):
   for n in ("wmt_t2t_ende_v003", "cnn_dailymail_v002", "toy_reverse", "test_sort_words"):
     assert n in names
   assert set(tasks.T5_TASKS) == set(data.T5_TASK_NAMES)
+
+
+def test_unprepared_tfds_dataset_is_announced(spm_path, tmp_path, caplog):
+  """Before TFDS starts a long download (or fails offline minutes later), the run says so."""
+  import logging
+  from spec_decode.data import pipeline
+  task = data.get_task("wmt_t2t_ende_v003", vocabulary=spm_path, tfds_data_dir=str(tmp_path))
+  try:
+    with caplog.at_level(logging.WARNING):
+      pipeline._warn_if_tfds_unprepared(task)
+  finally:
+    seqio.set_tfds_data_dir_override(None)
+  assert f"wmt_t2t_translate/de-en:1.0.0 is not prepared in {tmp_path}" in caplog.text
+  assert "set ExperimentConfig.tfds_data_dir" in caplog.text

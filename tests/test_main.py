@@ -56,6 +56,19 @@ def test_end_to_end_outputs(greedy_run):
   with open(os.path.join(out, "results.json")) as f:
     stored = json.load(f)
   assert stored["table_row"] == summary["table_row"] and stored["completed"] == 6
+  from spec_decode import data
+  exs = data.load_examples(data.get_task("toy_reverse"), split="validation", num_examples=6,
+                           feature_lengths={"inputs": 64, "targets": 32})
+  long_targets = sum(ex.target_source_length > 32 for ex in exs)
+  assert stored["truncated"] == {"examples": 6, "inputs": 0, "targets": long_targets,
+                                 "inputs_length": 64, "targets_length": 32}
+  assert any(f"{long_targets} of 6 references are longer than 32" in n
+             for n in stored["notices"]) == (long_targets > 0)
+  [run] = stored["runs"].values()
+  assert run["rows"] == 6 and run["c"] == stored["timing"]["c"]
+  text = main.format_summary(dict(summary, output_dir=out))
+  assert f"files: {out}/" in text and "X: autoregressive / speculative decode time" in text
+  assert "c " in text and "draft / target time of one single-token decode step" in text
   gamma = summary["experiment"]["gamma"]
   assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
   # Greedy: speculative output equals the autoregressive one, row by row.
@@ -117,6 +130,11 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
   again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=False)
   assert open(os.path.join(out, "predictions.jsonl")).read() == before
   assert again["timing"]["first_call_seconds"] == {}  # nothing was decoded
+  # "already complete": nothing re-measured, so c is the one measured with the rows.
+  assert again["resume"] == {"total": 6, "already_done": 6, "decoded_now": 0,
+                             "already_complete": True}
+  assert again["timing"]["c"] == summary["timing"]["c"]
+  assert again["runs"] == summary["runs"] and len(again["runs"]) == 1
   for k in ("alpha", "identical_fraction", "metrics", "speedup_measured", "completed"):
     assert again[k] == summary[k]
   with pytest.raises(ValueError, match="different experiment.*gamma: 4 -> 3"):
@@ -150,6 +168,12 @@ def test_resume_after_kill(tmp_path, greedy_run):
   assert sorted(r["index"] for r in after) == list(range(10))  # none lost, none duplicated
   assert after[:len(before)] == before  # finished rows are kept as they were
   assert summary["completed"] == 10 and len({r["batch"] for r in after}) == 5
+  # Rows from two runs: said, and each run's own timings kept apart.
+  assert summary["resume"]["already_done"] == len(before)
+  assert summary["resume"]["decoded_now"] == 10 - len(before)
+  assert sorted(r["rows"] for r in summary["runs"].values()) == sorted([len(before),
+                                                                        10 - len(before)])
+  assert any("decoded by 2 runs" in n for n in summary["notices"])
   # The resumed run decodes exactly what an uninterrupted run does (here: the greedy
   # run's first 6 examples).
   reference = _tokens_by_index(greedy_run[0])
@@ -204,8 +228,10 @@ def test_cli_reports_missing_checkpoint(tmp_path):
       [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}", f"--gin_file={TOY}",
        "--gin.target/ModelSpec.checkpoint='/nonexistent/xxl'"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0
-  assert "FileNotFoundError: target checkpoint not found: /nonexistent/xxl" in proc.stderr
+  assert proc.returncode == 2
+  [line] = [x for x in proc.stderr.splitlines() if "error" in x]
+  assert "FileNotFoundError: target checkpoint not found: /nonexistent/xxl" in line
+  assert "Traceback" not in proc.stderr
 
 
 def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
@@ -326,7 +352,8 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert summary["experiment"]["gamma"] == choice["gamma"]
   assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == choice["gamma"]
              for r in _rows(out))
-  assert f"gamma {choice['gamma']} chosen by theory.optimal_gamma" in main.format_summary(summary)
+  assert (f"gamma {choice['gamma']} was chosen by theory.optimal_gamma"
+          in main.format_summary(summary))
   # A resumed run reuses the recorded choice instead of measuring again (the marker
   # alpha below could not come out of a measurement).
   with open(os.path.join(out, experiment.GAMMA_FILE), "w") as f:

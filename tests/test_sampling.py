@@ -90,10 +90,20 @@ def test_sample_from_frequencies():
     (dict(top_k=2.5), "top_k"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(temperature=1e-38), "below 1e-06.*use 0 for greedy"),
+    (dict(temperature=5e-7), "below 1e-06.*use 0 for greedy"),
 ])
 def test_invalid_sampling(kwargs, match):
   with pytest.raises(ValueError, match=match):
     Sampling(**kwargs)
+
+
+def test_smallest_allowed_temperature_gives_a_distribution():
+  """At MIN_TEMPERATURE large logits still give finite probabilities (the argmax, here)."""
+  from spec_decode.decoding.sampling import MIN_TEMPERATURE
+  probs = Sampling(temperature=MIN_TEMPERATURE).probs(LOGITS * 1000)
+  assert np.all(np.isfinite(probs))
+  np.testing.assert_allclose(probs, [0, 0.5, 0, 0.5, 0], atol=1e-6)
 
 
 def test_greedy_draw_equals_sampling_from_the_one_hot():

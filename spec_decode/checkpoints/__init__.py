@@ -56,7 +56,8 @@ def detect_format(path) -> str:
 
 
 def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
-         rules=None) -> tuple[t5.T5Config, dict]:
+         rules=None, allow_missing_chunks: bool = False,
+         allow_outside_paths: bool = False) -> tuple[t5.T5Config, dict]:
   """(T5Config, params) from a checkpoint, parameters cast to `dtype`.
 
   config: expected configuration (checked against the stored shapes); default
@@ -66,6 +67,10 @@ def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
   mesh, rules: when a mesh is given, each parameter is read straight into its
     `partitioning.param_shardings(T5(config), mesh, rules)` sharding, each
     device reading only its block.
+  allow_missing_chunks: T5X legacy: read absent zarr chunk files as zeros
+    (default: an error, since a partly copied checkpoint looks the same).
+  allow_outside_paths: accept T5X TensorStore paths / HF index shard names
+    that lead outside the checkpoint directory (default: refused).
   """
   if config is not None and not isinstance(config, t5.T5Config):
     raise CheckpointError(f"config must be a T5Config, got {type(config).__name__}")
@@ -76,9 +81,10 @@ def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
     shapes = {name: shape for name, (shape, _) in orbax_ckpt.target_shapes(path).items()}
   else:
     if fmt == "hf":
-      file_config, sources = hf.open_arrays(path)
+      file_config, sources = hf.open_arrays(path, allow_outside_paths=allow_outside_paths)
     else:
-      sources = t5x_legacy.open_arrays(path)
+      sources = t5x_legacy.open_arrays(path, allow_missing_chunks=allow_missing_chunks,
+                                       allow_outside_paths=allow_outside_paths)
     shapes = {name: src.shape for name, src in sources.items()}
   config = config or file_config or infer.config_from_shapes(shapes)
   config = config.replace(dtype=dtype)

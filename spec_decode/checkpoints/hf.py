@@ -88,7 +88,7 @@ def _torch_bin(file: str) -> dict[str, _Tensor]:
   return out
 
 
-def _open_tensors(directory: str) -> dict[str, _Tensor]:
+def _open_tensors(directory: str, *, allow_outside_paths: bool = False) -> dict[str, _Tensor]:
   present = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(directory, f))]
   if not present:
     raise CheckpointError(f"HF checkpoint {directory} has no weights: expected one of "
@@ -101,6 +101,10 @@ def _open_tensors(directory: str) -> dict[str, _Tensor]:
     weight_map = json.load(f).get("weight_map", {})
   out = {}
   for shard in sorted(set(weight_map.values())):
+    if not isinstance(shard, str) or not shard:
+      raise CheckpointError(f"{first} names a weight file {shard!r}, which is not a file name")
+    storage.check_inside(directory, shard, what=f"{first}'s weight_map",
+                         allow_outside=allow_outside_paths)
     file = os.path.join(directory, shard)
     if not os.path.isfile(file):
       raise CheckpointError(f"{first} names the weight file {shard}, which is missing")
@@ -164,15 +168,21 @@ def _arrays(hf_config: dict, tensors: dict[str, _Tensor],
   return config, sources
 
 
-def open_arrays(path: str) -> tuple[t5.T5Config, dict[str, ArraySource]]:
-  """(T5Config from config.json, {T5X parameter path: ArraySource})."""
+def open_arrays(path: str, *, allow_outside_paths: bool = False
+                ) -> tuple[t5.T5Config, dict[str, ArraySource]]:
+  """(T5Config from config.json, {T5X parameter path: ArraySource}).
+
+  Shard names of an index that lead outside the directory are refused unless
+  allow_outside_paths.
+  """
   directory = storage.normalize(path)
   if storage.is_gcs(directory):
     raise CheckpointError(f"Hugging Face checkpoints are read from local directories, "
                           f"not {directory}")
   hf_config = read_config(directory)
   hf_names.config_from_hf(hf_config)  # config errors first, before opening weights
-  return _arrays(hf_config, _open_tensors(directory), directory)
+  return _arrays(hf_config, _open_tensors(directory, allow_outside_paths=allow_outside_paths),
+                 directory)
 
 
 def from_state_dict(hf_config: dict, state_dict: dict, dtype=None) -> tuple[t5.T5Config, dict]:

@@ -2,7 +2,10 @@
 
 Local files use the file system; gs:// goes through TensorStore's own GCS
 key-value store (no TensorFlow, no gcsfs), the same driver that reads the
-arrays.
+arrays. Every gs:// operation waits at most GCS_TIMEOUT_S seconds (environment
+variable SPEC_DECODE_GCS_TIMEOUT_S, default 120) and then fails with a
+CheckpointError naming the path: without network or credentials the GCS
+driver would otherwise retry for many minutes without a word.
 """
 
 from __future__ import annotations
@@ -14,6 +17,22 @@ import re
 import tensorstore as ts
 
 from spec_decode.checkpoints.common import CheckpointError
+
+GCS_TIMEOUT_S = float(os.environ.get("SPEC_DECODE_GCS_TIMEOUT_S", "120"))
+
+
+def wait(future, path: str, what: str = "reading"):
+  """future.result(), bounded by GCS_TIMEOUT_S when `path` is on gs://."""
+  if not is_gcs(path):
+    return future.result()
+  try:
+    return future.result(timeout=GCS_TIMEOUT_S)
+  except TimeoutError:
+    future.cancel()
+    raise CheckpointError(
+        f"no answer from Google Cloud Storage within {GCS_TIMEOUT_S:g} s while {what} {path}: "
+        "no network, or no credentials (gcloud auth application-default login)? Copy the "
+        "checkpoint to a local directory, or raise SPEC_DECODE_GCS_TIMEOUT_S") from None
 
 
 def split_gcs(path: str) -> tuple[str, str] | None:
@@ -29,7 +48,7 @@ def is_gcs(path: str) -> bool:
 def join(path: str, *parts: str) -> str:
   if is_gcs(path):
     return posixpath.join(path, *parts)
-  return os.path.join(path, *parts)
+  return os.path.normpath(os.path.join(path, *parts))
 
 
 def dirname(path: str) -> str:
@@ -51,7 +70,7 @@ def kvstore_spec(path: str) -> dict:
 
 def _gcs_store(path: str):
   bucket, key = split_gcs(path)
-  return ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result(), key
+  return wait(ts.KvStore.open({"driver": "gcs", "bucket": bucket}), path, "opening"), key
 
 
 def read_bytes(path: str) -> bytes | None:
@@ -62,7 +81,7 @@ def read_bytes(path: str) -> bytes | None:
     with open(path, "rb") as f:
       return f.read()
   store, key = _gcs_store(path)
-  result = store.read(key).result()
+  result = wait(store.read(key), path)
   return result.value if result.state == "value" else None
 
 
@@ -84,14 +103,14 @@ def write_bytes(path: str, data: bytes) -> None:
       f.write(data)
     return
   store, key = _gcs_store(path)
-  store.write(key, data).result()
+  wait(store.write(key, data), path, "writing")
 
 
 def is_file(path: str) -> bool:
   if not is_gcs(path):
     return os.path.isfile(path)
   store, key = _gcs_store(path)
-  return key.encode() in store.list(ts.KvStore.KeyRange(key, key + "\0")).result()
+  return key.encode() in wait(store.list(ts.KvStore.KeyRange(key, key + "\0")), path, "listing")
 
 
 def is_dir(path: str) -> bool:
@@ -100,7 +119,7 @@ def is_dir(path: str) -> bool:
     return os.path.isdir(path)
   store, key = _gcs_store(path)
   prefix = key.rstrip("/") + "/"
-  return bool(store.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result())
+  return bool(wait(store.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")), path, "listing"))
 
 
 def check_empty_target(path: str) -> None:
@@ -109,3 +128,19 @@ def check_empty_target(path: str) -> None:
     raise CheckpointError(f"cannot save into {path}: the directory exists and is not empty")
   if not is_gcs(path) and os.path.exists(path) and not os.path.isdir(path):
     raise CheckpointError(f"cannot save into {path}: it is a file")
+
+
+def check_inside(base: str, relative: str, *, what: str, allow_outside: bool = False) -> None:
+  """Refuses a path from a checkpoint's metadata that leads outside the checkpoint.
+
+  `relative` comes from a file in the checkpoint (a T5X TensorStore spec, an HF
+  index): an absolute path, a URL or '..' would make loading read elsewhere.
+  allow_outside=True accepts it (for a checkpoint you trust that points at shared arrays).
+  """
+  if allow_outside:
+    return
+  parts = relative.replace("\\", "/").split("/")
+  if os.path.isabs(relative) or "://" in relative or ".." in parts:
+    raise CheckpointError(f"{what} names {relative!r}, which lies outside the checkpoint "
+                          f"{base}; refusing to read it (pass allow_outside_paths=True to "
+                          "checkpoints.load, or ModelSpec.allow_outside_paths, if you trust it)")

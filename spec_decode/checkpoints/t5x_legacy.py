@@ -15,7 +15,12 @@ checkpoint directory. T5X writes, per array,
 (older specs keep 'path' at the top level). The spec's driver records where it
 was written, not where it is now: a local checkpoint directory is read with the
 file driver and a gs:// one with the gcs driver, whatever the spec says.
-Only `target/...` is read; optimizer state is never opened.
+Only `target/...` is read; optimizer state is never opened. A spec path that
+leads outside the checkpoint directory (absolute, a URL or '..') is refused
+unless allow_outside_paths. Chunk files absent from an array's directory
+would be read as zeros, so they are an error unless allow_missing_chunks (then
+a warning names each array and count); this module's writer stores every chunk,
+zeros included, so its own checkpoints are always complete.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def is_ts_spec(x) -> bool:
   return isinstance(x, dict) and "driver" in x and ("kvstore" in x or "path" in x)
 
 
-def resolve_spec(spec: dict, ckpt_dir: str) -> dict:
+def resolve_spec(spec: dict, ckpt_dir: str, *, allow_outside_paths: bool = False) -> dict:
   """An openable TensorStore spec for a relative spec from a checkpoint in `ckpt_dir`.
 
   The kvstore is rebuilt from the checkpoint's location (file driver for a local
@@ -70,8 +75,10 @@ def resolve_spec(spec: dict, ckpt_dir: str) -> dict:
     raise CheckpointError(f"unsupported TensorStore kvstore driver {kv.get('driver')!r}; "
                           f"T5X checkpoints use one of {_KV_DRIVERS}")
   rel = kv.get("path", spec.get("path"))
-  if not rel:
+  if not rel or not isinstance(rel, str):
     raise CheckpointError(f"TensorStore spec has no path: {spec}")
+  storage.check_inside(ckpt_dir, rel, what="a TensorStore spec in the T5X msgpack",
+                       allow_outside=allow_outside_paths)
   spec.pop("path", None)
   spec["kvstore"] = storage.kvstore_spec(storage.join(ckpt_dir, rel))
   spec.pop("metadata", None)
@@ -109,12 +116,16 @@ def _inline_source(name: str, arr) -> ArraySource:
   return ArraySource(name, tuple(arr.shape), arr.dtype, lambda index: arr[index])
 
 
-def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context) -> ArraySource:
+def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context, *,
+               allow_missing_chunks: bool, allow_outside_paths: bool) -> ArraySource:
   full = f"target/{name}"
-  resolved = resolve_spec(spec, ckpt_dir)
+  resolved = resolve_spec(spec, ckpt_dir, allow_outside_paths=allow_outside_paths)
   where = resolved["kvstore"].get("path")
   try:
-    store = ts.open(resolved, open=True, read=True, context=context).result()
+    store = storage.wait(ts.open(resolved, open=True, read=True, context=context), ckpt_dir,
+                         f"opening {full} of")
+  except CheckpointError:
+    raise
   except Exception as e:
     raise CheckpointError(f"parameter {full}: cannot open its array at {where} "
                           f"(missing or corrupt zarr metadata): {e}") from e
@@ -128,11 +139,13 @@ def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context) -> Arr
     raise CheckpointError(f"parameter {full}: stored as {dtype}, expected a float dtype "
                           "(T5X checkpoint versions < 3 stored bfloat16 as uint16)")
 
-  _warn_missing_chunks(full, store, resolved["kvstore"])
+  _check_missing_chunks(full, store, resolved["kvstore"], allow=allow_missing_chunks)
 
   def read(index):
     try:
-      return store[index].read().result()
+      return storage.wait(store[index].read(), ckpt_dir, f"reading {full} of")
+    except CheckpointError:
+      raise
     except Exception as e:
       raise CheckpointError(f"parameter {full}: reading {where} failed (truncated or "
                             f"corrupt chunk?): {e}") from e
@@ -140,33 +153,51 @@ def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context) -> Arr
   return ArraySource(name, shape, dtype, read)
 
 
-def _warn_missing_chunks(name: str, store, kvstore: dict) -> None:
-  """Logs a warning when chunk files are absent: zarr reads them as the fill value (0).
-
-  Not an error: TensorStore does not store chunks equal to the fill value, so an
-  all-zero block is legitimately absent; a partly copied checkpoint looks the same.
-  """
+def missing_chunks(store, kvstore: dict) -> tuple[int, int] | None:
+  """(absent, expected) chunk files of an opened zarr array; None if it cannot be listed."""
   chunks = store.chunk_layout.write_chunk.shape
   expected = math.prod(-(-int(n) // int(c)) for n, c in zip(store.shape, chunks))
   try:
     directory = dict(kvstore, path=kvstore["path"].rstrip("/") + "/")
     keys = ts.KvStore.open(directory).result().list().result()
   except Exception:  # listing is advisory; the reads report real failures
-    return
+    return None
   found = sum(1 for k in keys if not k.rsplit(b"/", 1)[-1].startswith(b"."))
-  if found < expected:
-    _log.warning("parameter %s: %d of %d chunks are absent and read as zeros "
-                 "(an incompletely copied checkpoint?)", name, expected - found, expected)
+  return max(expected - found, 0), expected
 
 
-def open_arrays(path: str) -> dict[str, ArraySource]:
+def _check_missing_chunks(name: str, store, kvstore: dict, *, allow: bool) -> None:
+  """Absent chunk files read as zeros: an error (a partly copied checkpoint), unless allowed.
+
+  TensorStore skips chunks equal to the fill value unless told otherwise, so a
+  checkpoint written elsewhere may legitimately lack all-zero chunks: allow=True
+  then reads them as zeros and logs a warning.
+  """
+  counts = missing_chunks(store, kvstore)
+  if counts is None or counts[0] == 0:
+    return
+  absent, expected = counts
+  if not allow:
+    raise CheckpointError(
+        f"parameter {name}: {absent} of {expected} chunk files are absent from "
+        f"{kvstore.get('path')} and would be read as zeros (an incompletely copied "
+        "checkpoint?); copy the checkpoint again, or pass allow_missing_chunks=True "
+        "(ModelSpec.allow_missing_chunks) if those chunks are all zeros")
+  _log.warning("parameter %s: %d of %d chunks are absent and read as zeros "
+               "(allow_missing_chunks=True)", name, absent, expected)
+
+
+def open_arrays(path: str, *, allow_missing_chunks: bool = False,
+                allow_outside_paths: bool = False) -> dict[str, ArraySource]:
   """{T5X parameter path: ArraySource} for everything under `target`."""
   ckpt_dir, state = read_tree(path)
   context = ts.Context({"file_io_concurrency": {"limit": 64}})
   sources = {}
   for name, leaf in flatten(state["target"], is_leaf=is_ts_spec).items():
     if is_ts_spec(leaf):
-      sources[name] = _ts_source(name, leaf, ckpt_dir, context)
+      sources[name] = _ts_source(name, leaf, ckpt_dir, context,
+                                 allow_missing_chunks=allow_missing_chunks,
+                                 allow_outside_paths=allow_outside_paths)
     elif isinstance(leaf, (np.ndarray, np.generic)):
       sources[name] = _inline_source(name, leaf)
     else:
@@ -216,8 +247,10 @@ def write(path: str, flat_params: dict, *, step: int, chunk_bytes: int = CHUNK_B
   for name, value in flat_params.items():
     spec = array_spec(f"target/{name}", value.shape, value.dtype, gcs=gcs,
                       chunk_bytes=chunk_bytes)
+    # Every chunk is stored, all-zero ones included, so a reader can tell a
+    # complete checkpoint from a partly copied one.
     target = dict(spec, kvstore=storage.kvstore_spec(
-        storage.join(path, spec["kvstore"]["path"])))
+        storage.join(path, spec["kvstore"]["path"])), store_data_equal_to_fill_value=True)
     store = ts.open(target, create=True, delete_existing=True, context=context).result()
     for index, block in host_blocks(value):
       store[index].write(block).result()

@@ -42,7 +42,9 @@ T5_TASKS = {
 
 _t5_vocabulary_ids: dict[str, str] = {}   # task name -> identity of its vocabulary
 _offline_tasks: set[str] = set()
+_user_offline_tasks: set[str] = set()  # registered by callers, not by this package
 _builtin_offline_registered = False
+_registering_builtin = False
 
 
 def output_features(vocabulary: seqio.Vocabulary) -> dict[str, seqio.Feature]:
@@ -130,6 +132,10 @@ def register_offline_task(name: str, *, examples_fn: Callable[[str], Sequence[Ma
       output_features=output_features(voc),
       metric_fns=[METRICS[metric]]))
   _offline_tasks.add(name)
+  if not _registering_builtin:
+    _user_offline_tasks.add(name)
+  else:
+    _user_offline_tasks.discard(name)
   return task
 
 
@@ -137,20 +143,29 @@ def offline_task_names() -> tuple[str, ...]:
   return tuple(sorted(_offline_tasks))
 
 
+def user_offline_task_names() -> tuple[str, ...]:
+  """Offline tasks registered by callers of `register_offline_task` (not the built-in ones)."""
+  return tuple(sorted(_user_offline_tasks))
+
+
 def register_builtin_offline_tasks() -> None:
   """Registers the package's offline tasks once: toy tasks and, if present, synthetic ones."""
-  global _builtin_offline_registered
+  global _builtin_offline_registered, _registering_builtin
   if _builtin_offline_registered:
     return
   from spec_decode.data import toy_tasks
-  toy_tasks.register()
+  _registering_builtin = True
   try:
-    from spec_decode.data import synthetic_tasks
-  except ModuleNotFoundError as e:
-    if e.name != "spec_decode.data.synthetic_tasks":
-      raise
-  else:
-    synthetic_tasks.register()
+    toy_tasks.register()
+    try:
+      from spec_decode.data import synthetic_tasks
+    except ModuleNotFoundError as e:
+      if e.name != "spec_decode.data.synthetic_tasks":
+        raise
+    else:
+      synthetic_tasks.register()
+  finally:
+    _registering_builtin = False
   _builtin_offline_registered = True
 
 

@@ -19,9 +19,13 @@ import jax
 import jax.numpy as jnp
 
 
+# Below this, logits / temperature overflows float32 to inf and softmax gives NaN.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """temperature >= 0 (0 = argmax); top_k >= 0 (0 = off); 0 < top_p <= 1 (1 = off)."""
+  """temperature 0 (argmax) or >= MIN_TEMPERATURE; top_k >= 0 (0 = off); 0 < top_p <= 1."""
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -29,6 +33,9 @@ class Sampling:
   def __post_init__(self):
     if not (self.temperature >= 0.0) or self.temperature != self.temperature:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if 0.0 < self.temperature < MIN_TEMPERATURE:
+      raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where "
+                       "logits / temperature overflow float32; use 0 for greedy decoding")
     if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
       raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
     if not (0.0 < self.top_p <= 1.0):

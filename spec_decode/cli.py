@@ -1,0 +1,113 @@
+"""What the command lines (`main`, `train`, `memory`) share: errors and console output.
+
+A known error -- bad input the person running the command can fix -- ends the
+command with ONE line on stderr naming the problem (and, where the message
+has one, the fix) and exit code 2; `--verbose` adds the traceback. Anything
+else is a bug and keeps Python's traceback (exit code 1).
+
+  def main(argv):
+    with cli.handle_errors("spec_decode.main"):
+      ...
+
+Known errors are `KNOWN_ERRORS`: ValueError (which CheckpointError and gin's
+binding errors are), OSError (missing files, permissions, time-outs),
+SyntaxError from gin's parser, and ImportError of an optional extra (the line
+says which extra to install).
+
+`quiet_logging()` keeps INFO chatter (JAX's platform probing, TensorFlow's CUDA
+probing) off the console unless --verbose; `status(msg)` prints a progress line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging as py_logging
+import os
+import sys
+import traceback
+
+from absl import flags, logging
+
+EXIT_USAGE = 2
+KNOWN_ERRORS = (ValueError, OSError, SyntaxError, ImportError)
+
+# Modules of the optional extras of setup.py, so a missing one names its extra.
+EXTRAS = {
+    "data": ("seqio", "tensorflow", "tensorflow_text", "tensorflow_datasets", "sacrebleu",
+             "rouge_score", "importlib_resources"),
+    "test": ("pytest", "scipy", "torch", "transformers", "matplotlib"),
+}
+
+
+
+def define_flags() -> None:
+  """--verbose (once per process; the command lines call this at import)."""
+  if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, "on an error, print the traceback; log at INFO")
+
+
+def _verbose() -> bool:
+  try:
+    return bool(flags.FLAGS.verbose)
+  except (flags.UnparsedFlagAccessError, AttributeError):
+    return False
+
+
+def missing_extra(error: BaseException) -> str | None:
+  """The setup.py extra whose module an ImportError lacks, or None."""
+  if not isinstance(error, ImportError):
+    return None
+  top = (getattr(error, "name", None) or "").split(".")[0]
+  return next((extra for extra, modules in EXTRAS.items() if top in modules), None)
+
+
+def is_known(error: BaseException) -> bool:
+  if isinstance(error, ImportError):
+    return missing_extra(error) is not None  # any other failed import is a bug
+  return isinstance(error, KNOWN_ERRORS)
+
+
+def describe(error: BaseException) -> str:
+  """One line: the problem and, where known, the fix."""
+  extra = missing_extra(error)
+  if extra:
+    top = error.name.split(".")[0]
+    return (f"the optional module {top!r} is not installed; install the [{extra}] extra: "
+            f"pip install -e '.[{extra}]'")
+  text = str(error) or type(error).__name__
+  if isinstance(error, OSError) and error.filename and error.strerror:
+    text = f"{error.strerror}: {error.filename}"
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  return f"{type(error).__name__}: " + " | ".join(lines)
+
+
+@contextlib.contextmanager
+def handle_errors(program: str, *, verbose: bool | None = None):
+  """Turns a known error into one line on stderr and exit code 2 (SystemExit)."""
+  try:
+    yield
+  except KNOWN_ERRORS as e:
+    if not is_known(e):
+      raise
+    if verbose if verbose is not None else _verbose():
+      traceback.print_exc()
+    else:
+      print(f"{program}: error: {describe(e)} (--verbose shows the traceback)",
+            file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE) from None
+
+
+def quiet_logging() -> None:
+  """Only warnings and errors on the console unless --verbose (or an explicit -v)."""
+  if _verbose() or flags.FLAGS["verbosity"].present:
+    return
+  logging.set_verbosity(logging.WARNING)
+  for name in ("jax._src.xla_bridge", "jax"):
+    py_logging.getLogger(name).setLevel(py_logging.WARNING)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's C++ CUDA probing
+
+
+def status(message: str, *, enabled: bool = True) -> None:
+  """A progress line on stderr (the results go to stdout)."""
+  if enabled:
+    print(f"[spec_decode] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,251 @@
+"""The command line's errors: one line naming the problem and the fix, exit code 2; the run
+directory: locked, duplicated or incomplete rows refused, default directory per user/checkout."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spec_decode import cli, data, experiment, main, results, run_status
+
+ROOT = main.REPO_ROOT
+TOY = "configs/toy_random.gin"
+
+
+def _cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "spec_decode.main", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_misspelled_macro_is_one_line_exit_2_and_verbose_shows_traceback(tmp_path):
+  proc = _cli(f"--gin_file={TOY}", "--gin.GAMA=9", f"--output_dir={tmp_path / 'o'}")
+  assert proc.returncode == 2
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert lines == ["spec_decode.main: error: GinConfigError: gin binding 'GAMA = 9' sets the "
+                   "macro GAMA, which no gin file uses, so it would change nothing; did you mean "
+                   "GAMMA? (--verbose shows the traceback)"], proc.stderr
+  assert not os.path.exists(tmp_path / "o")
+  verbose = _cli(f"--gin_file={TOY}", "--gin.GAMA=9", "--verbose")
+  assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr
+
+
+@pytest.mark.parametrize("files,bindings,error,match", [
+    ([TOY], ["GAMA = 9"], ValueError, "macro GAMA, which no gin file uses.*did you mean GAMMA"),
+    ([TOY], ["ExperimentConfig.gama = 9"], ValueError, "doesn't have a parameter named 'gama'"),
+    ([TOY], ["NoSuchThing.x = 1"], ValueError, "No configurable matching 'NoSuchThing'"),
+    ([TOY], ["MIXTURE_OR_TASK_NAME = toy_reverse"], ValueError,
+     "strings must be quoted, e.g. --gin.NAME=\"'toy_reverse'\""),
+    (["configs"], [], IsADirectoryError, "is a directory; pass a .gin file in it"),
+    (["configs/nope.gin"], [], FileNotFoundError, "gin file not found"),
+    (["gin/runs/benchmark.gin"], [], ValueError, "MIXTURE_OR_TASK_NAME"),
+    (["gin/tasks/toy_reverse.gin"], [], ValueError, "do not configure an experiment"),
+])
+def test_gin_mistakes_are_clear(files, bindings, error, match):
+  with pytest.raises(error, match=match):
+    main.parse_config(files, bindings)
+
+
+def test_macros_used_by_the_config_are_accepted():
+  config = main.parse_config([TOY], ["GAMMA = 3", "TEMPERATURE = 0.5",
+                                     "ExperimentConfig.timing_repeats = 2"])
+  assert config.gamma == 3 and config.temperature == 0.5 and config.timing_repeats == 2
+
+
+def test_near_zero_temperature_is_refused():
+  with pytest.raises(ValueError, match="use 0 for greedy"):
+    main.parse_config([TOY], ["TEMPERATURE = 1e-38"])
+
+
+def test_output_dir_is_checked_before_models_load(tmp_path, monkeypatch):
+  def no_setup(*args, **kwargs):
+    raise AssertionError("models were loaded before the output_dir was checked")
+
+  monkeypatch.setattr(experiment, "setup", no_setup)
+  file = tmp_path / "afile"
+  file.write_text("x")
+  with pytest.raises(results.OutputDirError, match="is a file, not a directory"):
+    main.run([TOY], [], str(file), show_progress=False)
+  with pytest.raises(results.OutputDirError, match="cannot be created: .*afile is a file"):
+    main.run([TOY], [], str(file / "sub"), show_progress=False)
+  os.chmod(tmp_path, 0o500)
+  try:
+    if not os.access(tmp_path, os.W_OK):  # root can write anyway
+      with pytest.raises(results.OutputDirError, match="not writable"):
+        main.run([TOY], [], str(tmp_path / "new"), show_progress=False)
+  finally:
+    os.chmod(tmp_path, 0o700)
+
+
+def test_second_run_into_a_locked_dir_is_refused(tmp_path, monkeypatch):
+  out = str(tmp_path / "run")
+  with results.locked(out):
+    with pytest.raises(results.OutputDirError,
+                       match=rf"in use by another run \(pid {os.getpid()} on .*\)"):
+      with results.locked(out):
+        pass
+    monkeypatch.setattr(experiment, "setup", lambda *a, **k: pytest.fail("setup ran"))
+    config = main.parse_config([TOY], [])
+    with pytest.raises(results.OutputDirError, match="in use by another run"):
+      experiment.run_experiment(config, output_dir=out, show_progress=False)
+  with results.locked(out):  # released: usable again
+    pass
+  assert not os.path.exists(out)  # created by the lock, nothing written: removed again
+
+
+def test_failed_run_leaves_an_existing_dir_and_its_lock_usable(tmp_path):
+  out = tmp_path / "existing"
+  out.mkdir()
+  (out / "keep.txt").write_text("x")
+  with pytest.raises(ValueError):
+    with results.locked(str(out)):
+      raise ValueError("boom")
+  assert (out / "keep.txt").exists()
+  with results.locked(str(out)):
+    pass
+
+
+def _write_rows(path, rows):
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+
+
+def test_duplicated_or_incomplete_rows_are_errors(tmp_path):
+  path = str(tmp_path / results.PREDICTIONS)
+  row = {"index": 0, "target": "a", "spec_output": "a", "batch": "r1:0"}
+  _write_rows(path, [row, dict(row, index=1), dict(row, spec_output="b")])
+  with pytest.raises(ValueError, match=r"predictions.jsonl:3 repeats example index 0 of line 1"):
+    results.read_rows(path)
+  incomplete = {k: v for k, v in row.items() if k != "spec_output"}
+  _write_rows(path, [row, dict(incomplete, index=1)])
+  with pytest.raises(ValueError, match=r":2 \(index 1\) does not have the fields of the other "
+                                       r"rows \(missing \['spec_output'\]"):
+    results.read_rows(path)
+  _write_rows(path, [row, dict(row, index=1)])
+  assert sorted(results.read_rows(path)) == [0, 1]
+
+
+def test_default_output_dir_is_per_user_and_checkout(monkeypatch):
+  import getpass
+  here = main.default_output_dir(["configs/demo/ende_experiment.gin"])
+  assert getpass.getuser() in here and os.path.basename(here).startswith("ende_experiment-")
+  monkeypatch.setattr(main, "REPO_ROOT", "/some/other/checkout")
+  other = main.default_output_dir(["configs/demo/ende_experiment.gin"])
+  assert other != here and os.path.dirname(other) == os.path.dirname(here)
+
+
+def test_missing_extra_names_the_extra():
+  err = ModuleNotFoundError("No module named 'seqio'", name="seqio")
+  assert cli.is_known(err)
+  assert "pip install -e '.[data]'" in cli.describe(err)
+  assert not cli.is_known(ModuleNotFoundError("No module named 'spec_decode.x'",
+                                              name="spec_decode.x"))  # a bug: traceback
+
+
+def test_handler_exit_code_and_one_line(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    with cli.handle_errors("prog", verbose=False):
+      raise FileNotFoundError("checkpoint not found: /x; copy it here")
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "prog: error: FileNotFoundError: checkpoint not found" in err
+  with pytest.raises(KeyError):  # not a known error: a bug keeps its traceback
+    with cli.handle_errors("prog", verbose=False):
+      raise KeyError("x")
+
+
+def test_resume_messages():
+  assert run_status.resume_state(4, 4, "o/p.jsonl")["message"].startswith("decoding 4 examples")
+  state = run_status.resume_state(10, 4, "o/p.jsonl")
+  assert state["message"].startswith("resuming 6/10") and not state["already_complete"]
+  done = run_status.resume_state(10, 0, "o/p.jsonl")
+  assert done["message"].startswith("already complete") and done["already_complete"]
+
+
+def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
+  out = str(tmp_path)
+  rows = {i: {"index": i, "batch": f"{'a' if i < 2 else 'b'}:{i}", "decoders": {
+      "autoregressive": {"batch_seconds": 2.0 if i < 2 else 3.0},
+      "speculative": {"batch_seconds": 1.0}}} for i in range(4)}
+  results.record_run(out, "a", {"c": 0.1, "devices": "cpu x1", "step_times": {"c": 0.1}})
+  results.record_run(out, "b", {"c": 0.2, "devices": "TPU v4 x8", "step_times": {"c": 0.2}})
+  exs = [data.Example(i, "x", "y", (5, 1), (5, 1), input_source_length=n, target_source_length=2)
+         for i, n in enumerate([2, 9, 3, 70])]
+
+  class Config:
+    feature_lengths = {"inputs": 8, "targets": 8}
+
+  extras = run_status.summary_extras(out, rows, exs, Config, run_status.resume_state(4, 2, "p"))
+  assert extras["runs"]["a"]["speedup_measured"] == 2.0 and extras["runs"]["b"]["c"] == 0.2
+  assert extras["runs"]["b"]["speedup_measured"] == 3.0 and extras["runs"]["a"]["rows"] == 2
+  assert extras["runs"]["b"]["speedups"] == {"speculative": 3.0}
+  assert extras["runs"]["a"]["seconds"] == {"autoregressive": 4.0, "speculative": 2.0}
+  assert extras["truncated"]["inputs"] == 2 and extras["truncated"]["targets"] == 0
+  text = " ".join(extras["notices"])
+  assert "decoded by 2 runs" in text and "different devices" in text
+  assert "2 of 4 inputs were longer than 8 tokens" in text
+  assert run_status.recorded_step_times(out) == {"c": 0.2}
+
+
+def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_path):
+  """The no-argument job (2 examples): progress lines from the start, no platform-probing
+  noise or config dump, one summary block saying where the files are; no TensorFlow."""
+  out = str(tmp_path / "default")
+  code = ("import runpy, sys\n"
+          f"sys.argv = ['spec_decode.main', '--output_dir={out}', '--gin.NUM_EXAMPLES=2',\n"
+          "            '--gin.ExperimentConfig.gamma_warmup_examples=1',\n"
+          "            '--gin.ExperimentConfig.step_timing_repeats=2']\n"
+          "try:\n"
+          "  runpy.run_module('spec_decode.main', run_name='__main__', alter_sys=True)\n"
+          "except SystemExit as e:\n"
+          "  assert not e.code, e.code\n"
+          "bad = [m for m in ('tensorflow', 'seqio') if m in sys.modules]\n"
+          "assert not bad, bad\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  err = [line for line in proc.stderr.replace("\r", "\n").splitlines()
+         if line.strip() and "ex/s" not in line and "%|" not in line]
+  progress = [line for line in err if line.startswith("[spec_decode] ")]
+  assert err == progress, err  # nothing but progress lines: no probing noise, no config dump
+  text = " ".join(progress)
+  for step in ("loading task synthetic_ende", "loading the target model",
+               "loading the draft model", "decoding 2 examples", "choosing gamma",
+               "compiling both decoders", "measuring single-step times"):
+    assert step in text, step
+  assert text.index("loading task") < text.index("compiling")
+  stdout = proc.stdout
+  assert f"files: {out}/" in stdout and "| EnDe (synthetic) |" in stdout
+  assert "measured speedup" in stdout and "X: autoregressive / speculative" in stdout
+  assert "was chosen by theory.optimal_gamma" in stdout and "identical outputs" in stdout
+  assert max(len(line) for line in stdout.splitlines()) < 300
+
+
+@pytest.mark.parametrize("module,args,match", [
+    ("spec_decode.train", ["--gin_file=configs/demo/ende_small.gin", "--gin.NUM_STEP=3"],
+     "spec_decode.train: error: GinConfigError: gin binding 'NUM_STEP = 3' sets the macro"),
+    ("spec_decode.train", ["--gin_file=configs/demo"], "spec_decode.train: error: "
+     "IsADirectoryError: --gin_file configs/demo is a directory"),
+    ("spec_decode.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.memory: error: "
+     "FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
+])
+def test_other_command_lines_end_known_errors_in_one_line(module, args, match):
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(match), proc.stderr[-2000:]
+
+
+def test_data_extra_installs_what_tfds_imports_lazily():
+  """tensorflow-datasets 4.9.10 imports importlib_resources when it builds a dataset (Python
+  3.11) without declaring it: the [data] extra must."""
+  import ast
+  tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+  extras = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for kw in node.keywords if kw.arg == "extras_require")
+  extras = ast.literal_eval(extras)
+  assert "importlib_resources" in extras["data"]
+  assert any(r.startswith("tensorflow-datasets") for r in extras["data"])
