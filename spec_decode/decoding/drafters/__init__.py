@@ -40,5 +40,6 @@ class Drafter:
 
 
 from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402  registration
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["AdaptiveDrafter", "Drafter", "ModelDrafter"]

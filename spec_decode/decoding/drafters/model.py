@@ -28,8 +28,9 @@ class ModelDrafter(Drafter):
   def init(self, ctx, room: int):
     return ctx.start_cache("draft", room)
 
-  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
-    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+  def first_logits(self, ctx, cache, committed: Committed):
+    """(logits [B, V] after s_m, cache): the first call of a proposal (see the module doc)."""
+    draft, params = ctx.draft, ctx.draft_params
     m = committed.length
     last = committed.token_at(m)
 
@@ -42,7 +43,11 @@ class ModelDrafter(Drafter):
       out = draft.decode(params, cache.rewind(m - 1), tokens)
       return out.logits[:, -1], out.cache
 
-    logits, cache = jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+    return jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+
+  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
+    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+    logits, cache = self.first_logits(ctx, cache, committed)
     q1 = sampling.probs(logits)
     x1 = draw(keys_BK[:, 0], q1, greedy=sampling.greedy)
 

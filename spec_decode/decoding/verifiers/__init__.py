@@ -32,5 +32,6 @@ class Verifier:
 
 
 from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
+from spec_decode.decoding.verifiers.block import BlockVerifier  # noqa: E402  registration
 
-__all__ = ["Verifier", "ChainVerifier"]
+__all__ = ["Verifier", "BlockVerifier", "ChainVerifier"]
