@@ -10,7 +10,8 @@
 * The rules themselves: the schedule's lengths (1, 3, 5, 5, .. on full
   acceptance; 5, 4, .., 1 on none), the threshold rule's stop positions
   predicted from the draft's own probabilities, the tuned threshold's update,
-  and the early-exit draft loop leaving a row's output independent of its batch.
+  and the early-exit draft loop leaving a row's output independent of its batch
+  and of sharding.
 * Settings: bad values raise ValueError; gin builds every variant.
 """
 
@@ -253,6 +254,23 @@ def test_row_alone_equals_row_in_batch():
     for c in ("draft_tokens", "accepted", "target_calls"):
       np.testing.assert_array_equal(getattr(alone.stats, c)[0], getattr(batch.stats, c)[i])
   assert len(set(np.asarray(batch.stats.draft_tokens).tolist())) > 3
+
+
+def test_sharded_equals_unsharded():
+  from spec_decode import partitioning
+  target, tp = ex.markov_models()["target"]
+  draft, dp = ex.markov_models()["far"]
+  enc = np.random.RandomState(4).randint(2, MK_V, (8, 4)).astype(np.int32)
+  algo = decoding.Speculative(gamma=4, drafter=Adaptive(rule="tuned", threshold=0.4, step=0.2),
+                              verifier=BLOCK)
+  kw = dict(draft=draft, draft_params=dp, max_decode_len=12, sampling=S(1.0),
+            rng=jax.random.PRNGKey(2))
+  ref = decoding.run(algo, target, tp, enc, **kw)
+  got = decoding.run(algo, target, tp, enc, mesh=partitioning.make_mesh("data=4,model=2"), **kw)
+  np.testing.assert_array_equal(got.tokens, ref.tokens)
+  for c in ("draft_tokens", "accepted", "decisions", "target_calls"):
+    np.testing.assert_array_equal(getattr(got.stats, c), getattr(ref.stats, c))
+  assert len(set(np.asarray(ref.stats.draft_tokens).tolist())) > 2
 
 
 # ---------------------------------------------------------------------- settings

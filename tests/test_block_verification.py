@@ -309,15 +309,25 @@ def test_greedy_verdict_equals_token_level():
   target = np.concatenate([target, rs.randint(V, size=(B, 1))], axis=1)
   p = jax.nn.one_hot(target, V)
   keys = jax.random.split(jax.random.PRNGKey(0), B)
-  for length in (None, jnp.asarray(rs.randint(1, K + 1, B), jnp.int32)):
-    for q_given in (q, None):
-      prop = decoding.Proposal.chain(jnp.asarray(x), q_given, length=length)
-      kw = dict(sampling=decoding.Sampling(0.0))
-      got = decoding.BlockVerifier().verify(p, prop, keys, keys, **kw)
-      want = decoding.ChainVerifier().verify(p, prop, keys, keys, **kw)
-      for field in ("accepted", "extra", "decided"):
-        np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
-  assert 0 < np.mean(np.asarray(got.accepted)) < K - 1
+  for length in (jnp.full((B,), K, jnp.int32), jnp.asarray(rs.randint(1, K + 1, B), jnp.int32)):
+    prop = decoding.Proposal.chain(jnp.asarray(x), q, length=length)
+    want = decoding.ChainVerifier().verify(p, prop, keys, keys, sampling=decoding.Sampling(0.0))
+    # The block formulas with one-hot laws: h is exactly 0 or 1, and the last pass is the
+    # matched prefix; the residual there is the target's argmax.
+    log_P, h = block.block_weights(p, q, jnp.asarray(x), length)
+    assert set(np.unique(np.asarray(h))) <= {0.0, 1.0}
+    tau = np.max(np.where(np.asarray(h) > 0.5, np.arange(1, K + 1), 0), axis=1)
+    np.testing.assert_array_equal(tau, want.accepted)
+    q_ext = np.concatenate([np.asarray(q), np.zeros((B, 1, V))], axis=1)
+    q_next = np.where((tau < np.asarray(length))[:, None], q_ext[np.arange(B), tau], 0.0)
+    res = block.residual_law(p[np.arange(B), tau], jnp.asarray(q_next, jnp.float32),
+                             log_P[np.arange(B), tau])
+    np.testing.assert_array_equal(np.argmax(res, axis=-1), want.extra)
+    # and verify() itself (which runs the token-level rule at temperature 0)
+    got = decoding.BlockVerifier().verify(p, prop, keys, keys, sampling=decoding.Sampling(0.0))
+    for field in ("accepted", "extra", "decided"):
+      np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+  assert 0 < np.mean(np.asarray(want.accepted)) < K - 1
 
 
 G_V, G_L, G_N = 64, 12, 16

@@ -20,9 +20,11 @@ normalized law and does not underflow with P_tau.
 
 At temperature 0 p and q are one-hot: P_i is 1 while the draft matches the
 target's argmax and 0 after, h_i = P_i, so tau is the matched prefix and the
-extra token is the target's argmax: exactly token-level verification (the
-random draws are skipped). A deterministic proposal (q None) is a point mass
-at each token, for which the rule is exact as well.
+extra token is the target's argmax: exactly token-level verification, so at
+temperature 0 `verify` runs the token-level verifier (cheaper: no [B, K, V]
+residual sums; tests/test_block_verification.py checks the formulas give the
+same verdicts). A deterministic proposal (q None) is a point mass at each
+token, for which the rule is exact as well.
 
 Verdict.decided / beta keep the token-level meaning so that alpha stays
 comparable across verifiers: decided = min(tau + 1, g), the positions whose
@@ -44,7 +46,7 @@ from spec_decode.decoding import registry
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Proposal, Verdict
 from spec_decode.decoding.verifiers import Verifier
-from spec_decode.decoding.verifiers.chain import take
+from spec_decode.decoding.verifiers.chain import ChainVerifier, take
 
 
 def safe_log(x: jax.Array) -> jax.Array:
@@ -102,6 +104,8 @@ class BlockVerifier(Verifier):
              lenience: float = 1.0) -> Verdict:
     if lenience != 1.0:
       raise ValueError("BlockVerifier is exact only; it has no lenient variant")
+    if sampling.greedy:  # one-hot p and q: block verification is token-level verification
+      return ChainVerifier().verify(p, proposal, accept_keys, correct_keys, sampling=sampling)
     x = proposal.tokens
     B, K = x.shape
     q = proposal.q
@@ -109,11 +113,8 @@ class BlockVerifier(Verifier):
       q = jax.nn.one_hot(x, p.shape[-1], dtype=p.dtype)
     length = proposal.proposed
     log_P, h = block_weights(p, q, x, length)
-    if sampling.greedy:
-      passed = h > 0.5  # h is exactly 0 or 1 with one-hot p and q
-    else:
-      u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (K,)))(accept_keys)  # (0, 1]
-      passed = u <= h
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (K,)))(accept_keys)  # (0, 1]
+    passed = u <= h
     position = jnp.arange(1, K + 1, dtype=jnp.int32)[None, :]
     tau = jnp.max(jnp.where(passed, position, 0), axis=1)  # [B], 0 when none passed
 
@@ -122,7 +123,7 @@ class BlockVerifier(Verifier):
     q_next = jnp.take_along_axis(q_ext, tau[:, None, None], axis=1)[:, 0]
     q_next = jnp.where((tau < length)[:, None], q_next, 0.0)  # tau = g: the bonus, from p
     log_P_tau = jnp.take_along_axis(log_P, tau[:, None], axis=1)[:, 0]
-    extra = draw(correct_keys, residual_law(p_next, q_next, log_P_tau), greedy=sampling.greedy)
+    extra = draw(correct_keys, residual_law(p_next, q_next, log_P_tau), greedy=False)
     beta = jnp.sum(jnp.minimum(p[:, :K], q), axis=-1)  # [B, K]
     return Verdict(accepted=tau, path=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)),
                    extra=extra, decided=jnp.minimum(tau + 1, length), beta=beta)
