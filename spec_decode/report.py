@@ -61,6 +61,10 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
     d.update(metrics.acceptance(**{k: [st[k] for st in stats] for k in _ACCEPTANCE},
                                 lengths=lengths))
     d["alpha"] = d["alpha_estimated"]
+    if "draft_tokens" in stats[0]:  # mean proposed length (an adaptive drafter varies it)
+      calls = sum(st["target_calls"] for st in stats)
+      d["drafted_per_target_call"] = (sum(st["draft_tokens"] for st in stats) / calls
+                                      if calls else float("nan"))
     if "accepted_at" in stats[0]:
       d["per_position_acceptance"] = metrics.per_position_acceptance(
           np.sum([st["accepted_at"] for st in stats], axis=0),

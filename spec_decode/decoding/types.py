@@ -23,10 +23,13 @@ class DecodeStats:
 
   target_calls: target (decoder) invocations while the row was active (also
                 the autoregressive baseline's only counter).
-  draft_tokens: tokens the drafter proposed.
+  draft_tokens: tokens the drafter proposed (a proposal's `proposed` length, which an
+                adaptive drafter varies per row; `draft_tokens / target_calls` is
+                the mean drafted length per call).
   accepted:     proposed tokens accepted by the verifier.
   decisions:    draft positions where an accept/reject decision was made
-                (every position up to and including the first rejection);
+                (every position up to and including the first rejection; for
+                block verification the emitted ones and the first one not emitted);
                 `accepted / decisions` is the observed acceptance rate.
   min_pq_sum:   sum over those same positions of sum_x min(p(x), q(x)), the
                 paper's beta (Cor. 3.6); `min_pq_sum / decisions` estimates alpha.
@@ -79,20 +82,34 @@ class Proposal:
          verifier then treats each token as drawn from a point mass).
   parent [B, K] int32: node i's parent index, -1 for a child of the last
          committed token (the root); a chain has parent[i] = i - 1.
+  length [B] int32 or None: a chain's proposed tokens per row (1 <= length <= K;
+         None: all K). Positions >= length are padding (shapes stay static):
+         verifiers treat them as not proposed, so after accepting all `length`
+         tokens the extra token is drawn from p at position `length`.
   """
   tokens: jax.Array
   q: Any
   parent: jax.Array
+  length: Any = None
 
   @property
   def size(self) -> int:
     return self.tokens.shape[1]
 
+  @property
+  def proposed(self) -> jax.Array:
+    """[B] int32: tokens proposed per row: `length`, or else the nodes that are not
+    padding (a tree pads with parent -2; a full chain has K)."""
+    if self.length is None:
+      return jnp.sum(self.parent >= -1, axis=1).astype(jnp.int32)
+    return jnp.asarray(self.length, jnp.int32)
+
   @classmethod
-  def chain(cls, tokens: jax.Array, q=None) -> "Proposal":
+  def chain(cls, tokens: jax.Array, q=None, length=None) -> "Proposal":
     B, K = tokens.shape
     return cls(tokens=tokens, q=q,
-               parent=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32) - 1, (B, K)))
+               parent=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32) - 1, (B, K)),
+               length=length)
 
   def depths(self) -> jax.Array:
     """[B, K] depth of each node (1 for a child of the root); parents come first."""

@@ -176,8 +176,7 @@ class Speculative(runner.Algorithm):
       decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]
       accepted_at = (j[:, :K] < n[:, None]) & active[:, None]
       a = active.astype(jnp.int32)
-      proposed = jnp.sum(proposal.parent >= -1, axis=1)  # tree padding has parent -2
-      stats = s.stats.add(target_calls=a, draft_tokens=proposed * a, accepted=n * a,
+      stats = s.stats.add(target_calls=a, draft_tokens=proposal.proposed * a, accepted=n * a,
                           decisions=verdict.decided * a,
                           min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
                           accepted_at=accepted_at, decided_at=decided_at)

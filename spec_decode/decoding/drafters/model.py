@@ -32,8 +32,9 @@ class ModelDrafter(Drafter):
   def init(self, ctx, room: int):
     return ctx.start_cache("draft", room)
 
-  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
-    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+  def first_logits(self, ctx, cache, committed: Committed):
+    """(logits [B, V] after s_m, cache): the first call of a proposal (see the module doc)."""
+    draft, params = ctx.draft, ctx.draft_params
     m = committed.length
     last = committed.token_at(m)
 
@@ -46,7 +47,11 @@ class ModelDrafter(Drafter):
       out = draft.decode(params, cache.rewind(m - 1), tokens)
       return out.logits[:, -1], out.cache
 
-    logits, cache = jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+    return jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+
+  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
+    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
+    logits, cache = self.first_logits(ctx, cache, committed)
     greedy = sampling.greedy  # then each token is the argmax: a point mass, no q to carry
 
     def choose(key_B, logits_BV):

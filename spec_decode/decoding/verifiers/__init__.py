@@ -7,6 +7,9 @@ p[:, i] is the target's adjusted law after the committed prefix and the
 proposal's first i tokens (for a tree: after node i - 1's path; p[:, 0] at
 the root). A verifier must keep the output distributed exactly as the
 target's (or say it is lossy: lenience < 1 is the paper's lenient variant).
+A chain may propose fewer than K tokens in some rows (`proposal.proposed`):
+positions at or past that length are padding, never accepted, and decisions
+count only proposed positions.
 
 Adding one: a new file here with a `Verifier` subclass under
 `@registry.verifier("name")`, plus its import line below.
@@ -37,5 +40,6 @@ class Verifier:
 
 from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
 from spec_decode.decoding.verifiers.tree import TreeVerifier  # noqa: E402  registration
+from spec_decode.decoding.verifiers.block import BlockVerifier  # noqa: E402  registration
 
-__all__ = ["Verifier", "ChainVerifier", "TreeVerifier"]
+__all__ = ["Verifier", "BlockVerifier", "ChainVerifier", "TreeVerifier"]

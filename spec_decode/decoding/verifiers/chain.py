@@ -5,7 +5,10 @@ lenience, 1 = exact); with n accepted, the extra token comes from
 norm(max(0, p_{n+1} - l q_{n+1})), with q_{K+1} := 0 so that it is p_{K+1}
 after a full acceptance. At temperature 0 p and q are one-hot and this is
 exact matching: the output equals greedy decoding of the target.
-A deterministic proposal (q None) is a point mass at each token.
+A deterministic proposal (q None) is a point mass at each token. Positions
+at or past a row's `proposal.proposed` length are not proposed: never
+accepted, and q := 0 there (so the extra token after accepting all of them
+comes from p at that position).
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ def greedy_verdict(target_tokens, proposal: Proposal) -> Verdict:
   """
   x = proposal.tokens
   B, K = x.shape
+  length = proposal.proposed  # positions at or past it were not proposed
   match = target_tokens[:, :K] == x
-  n = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  accept = match & (jnp.arange(K)[None, :] < length[:, None])
+  n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
   extra = jnp.take_along_axis(target_tokens, n[:, None], axis=1)[:, 0]
   return Verdict(accepted=n, path=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)),
-                 extra=extra, decided=jnp.minimum(n + 1, K), beta=match.astype(jnp.float32))
+                 extra=extra, decided=jnp.minimum(n + 1, length), beta=match.astype(jnp.float32))
 
 
 @registry.verifier("chain")
@@ -64,11 +69,14 @@ class ChainVerifier(Verifier):
     else:
       u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(accept_keys)
       accept = u * lenience * take(q, x) < take(p[:, :K], x)
+    length = proposal.proposed  # [B]
+    accept = accept & (jnp.arange(K)[None, :] < length[:, None])
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
 
     q_ext = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
     q_n = jnp.take_along_axis(q_ext, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.where((n < length)[:, None], q_n, 0.0)  # n = length: nothing was proposed there
     residual = jnp.maximum(p_n - lenience * q_n, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     # mass == 0 only through rounding when p ~ q; p_n itself is then the right law.
@@ -76,4 +84,4 @@ class ChainVerifier(Verifier):
     extra = draw(correct_keys, residual, greedy=sampling.greedy)
     beta = jnp.sum(jnp.minimum(p[:, :K] / lenience, q), axis=-1)  # [B, K]
     return Verdict(accepted=n, path=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)),
-                   extra=extra, decided=jnp.minimum(n + 1, K), beta=beta)
+                   extra=extra, decided=jnp.minimum(n + 1, length), beta=beta)
