@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Any, Sequence
 

@@ -149,7 +149,6 @@ def _one_block_law(p, q, length_rule, first_failure=False):
   (then the target's continuation), from the JAX verifier's h and residuals."""
   blocks = [x for x in itertools.product(range(E_V), repeat=E_K)
             if np.prod([q[x[:i]][x[i]] for i in range(E_K)]) > 0]
-  N = len(blocks)
   x = np.array(blocks, np.int32)
   pa = np.array([[p[b[:i]] for i in range(E_K + 1)] for b in blocks], np.float32)
   qa = np.array([[q[b[:i]] for i in range(E_K)] for b in blocks], np.float32)
