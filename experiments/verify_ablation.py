@@ -194,6 +194,7 @@ def run(args) -> dict[str, Any]:
     loaded = setups.load(s)
     for t in args.temperatures:
       rows += run_cell(args, loaded, task, t)
+      jax.clear_caches()  # a cell's ~20 loops stay mapped otherwise (see run_experiment)
   if not rows:
     raise ValueError(f"nothing could run: {notes}")
   return {"rows": rows, "summary": summarize(rows), "notes": notes}

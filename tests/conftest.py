@@ -1,8 +1,27 @@
-"""Test setup: 8 simulated CPU devices (before jax is imported), float32, CPU only."""
+"""Test setup: 8 simulated CPU devices (before jax is imported), float32, CPU only.
 
+Compiled executables are dropped after each test module. XLA:CPU maps every
+executable's code and data into its own memory regions (about 6 per small
+function, hundreds for a decoding loop), and a Linux process may hold at most
+vm.max_map_count (65530 by default) of them: the whole suite in one process
+kept every executable alive and crossed that limit, after which the next
+compilation's mmap failed and XLA crashed with a segmentation fault.
+"""
+
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_executables():
+  yield
+  import jax  # imported by every test module already; here only to clear its caches
+  jax.clear_caches()
+  gc.collect()

@@ -204,3 +204,16 @@ def test_compiler_options_compile_a_separate_executable_with_equal_outputs():
   with pytest.raises(ValueError, match="unsharded runs only"):
     decoding.run(decoding.Autoregressive(), model, params, enc, **kw,
                  mesh=partitioning.make_mesh("data=1"), compiler_options={"a": 1})
+
+
+def test_a_crowded_process_releases_its_executables():
+  from spec_decode import experiment
+  if experiment.memory_map_use() is None:
+    pytest.skip("no /proc/self/maps here")
+  kept = [jax.jit(lambda x, i=i: jnp.sin(x) * i + 1.0) for i in range(20)]
+  for f in kept:  # ~6 memory regions each while its executable is cached
+    f(jnp.ones(3)).block_until_ready()
+  before = experiment.memory_map_use()[0]
+  assert not experiment.release_executables_if_crowded(fraction=1.0)
+  assert experiment.release_executables_if_crowded(fraction=0.0)
+  assert experiment.memory_map_use()[0] < before - 40
