@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.model import ModelDrafter
+from spec_decode.decoding.runner import is_int
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal, Verdict
 
@@ -60,10 +61,6 @@ class AdaptiveState:
   threshold: jax.Array
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 @registry.drafter("adaptive")
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDrafter(ModelDrafter):
@@ -80,10 +77,10 @@ class AdaptiveDrafter(ModelDrafter):
   def __post_init__(self):
     if self.rule not in RULES:
       raise ValueError(f"AdaptiveDrafter.rule must be one of {RULES}, got {self.rule!r}")
-    if self.start is not None and (not _is_int(self.start) or self.start < 1):
+    if self.start is not None and (not is_int(self.start) or self.start < 1):
       raise ValueError(f"AdaptiveDrafter.start must be an int >= 1 or None, got {self.start!r}")
     for name in ("grow", "shrink", "min_length"):
-      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+      if not is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"AdaptiveDrafter.{name} must be an int >= 1, "
                          f"got {getattr(self, name)!r}")
     if self.start is not None and self.start < self.min_length:
