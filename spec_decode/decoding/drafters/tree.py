@@ -104,10 +104,11 @@ class TreeDrafter(Drafter):
     expanded = jnp.zeros((B, N), bool)
 
     for _ in range(self.steps - 1):
-      prop = Proposal(tokens=tok, q=None, parent=par)
-      d = prop.depths()
-      lp = self._log_law(sampling, draft.decode(params, cache, tok, positions=m[:, None] + d,
-                                                tree_mask=prop.ancestor_mask()).logits)
+      # `depth` is carried (padding has 0; no node attends to padding, so its position
+      # is irrelevant): only the ancestor mask is derived from the parents.
+      mask = Proposal(tokens=tok, q=None, parent=par).ancestor_mask()
+      lp = self._log_law(sampling, draft.decode(params, cache, tok, positions=m[:, None] + depth,
+                                                tree_mask=mask).logits)
       child_lp, child_tok = jax.lax.top_k(lp, W)  # [B, N, W]
       eligible = jnp.isfinite(score) & ~expanded & (depth < self.depth)
       key, pick = jax.lax.top_k(jnp.where(eligible, score, _NEG), min(E, N))  # [B, E]

@@ -37,7 +37,6 @@ class TreeVerifier(Verifier):
              lenience: float = 1.0) -> Verdict:
     tok, par = proposal.tokens, proposal.parent
     B, K = tok.shape
-    V = p.shape[-1]
     keys = jax.vmap(lambda k: jax.random.split(k, K + 1))(correct_keys)  # [B, K + 1]
     cur = jnp.full((B,), -1, jnp.int32)  # -1: the root; i >= 0: node i
     n = jnp.zeros((B,), jnp.int32)
@@ -46,6 +45,9 @@ class TreeVerifier(Verifier):
     path = jnp.zeros((B, K), jnp.int32)
     decided = jnp.zeros((B,), jnp.int32)
     beta = jnp.zeros((B, K), jnp.float32)
+    # A child whose token an earlier sibling already carries adds nothing to p(children).
+    same = (par[:, :, None] == par[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
+    repeat = jnp.any(same & jnp.tril(jnp.ones((K, K), bool), -1)[None], axis=2)  # [B, K]
     for step in range(K + 1):  # a path holds at most K nodes
       p_cur = jnp.take_along_axis(p, (cur + 1)[:, None, None], axis=1)[:, 0]  # [B, V]
       y = draw(keys[:, step], p_cur, greedy=sampling.greedy)
@@ -57,8 +59,8 @@ class TreeVerifier(Verifier):
       live = ~stopped
       if step < K:
         # p(children): the chance this decision accepts (each distinct token once)
-        seen = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], tok].max(children)
-        mass = jnp.sum(jnp.where(seen, p_cur, 0.0), axis=1)
+        mass = jnp.sum(jnp.where(children & ~repeat,
+                                 jnp.take_along_axis(p_cur, tok, axis=1), 0.0), axis=1)
         at = live & has_children
         beta = beta.at[:, step].set(jnp.where(at, mass, 0.0))
         decided = decided + at.astype(jnp.int32)
