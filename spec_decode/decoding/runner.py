@@ -97,6 +97,7 @@ class LoopContext:
   mesh: Any = None
   rules: Any = None
   draft_rules: Any = None
+  target_encoded: Any = None
 
   @property
   def batch_size(self) -> int:
@@ -109,13 +110,25 @@ class LoopContext:
       return self.draft, self.draft_params, self.draft_encoder_tokens, self.draft_rules
     raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
 
-  def start_cache(self, role: str, room: int):
-    """Encodes the role's inputs once and returns its empty cache of `room` slots."""
+  def encode(self, role: str):
+    """The role's encoder output (the target's is computed once: see `with_target_encoded`)."""
+    if role == "target" and self.target_encoded is not None:
+      return self.target_encoded
     model, params, tokens, rules = self._model(role)
     encoded = model.encode(params, tokens)
-    encoded = partitioning.constrain(encoded, partitioning.encoder_output_axes(encoded),
-                                     self.mesh, rules)
-    return self.constrain_cache(model.init_cache(params, encoded, room), role)
+    return partitioning.constrain(encoded, partitioning.encoder_output_axes(encoded),
+                                  self.mesh, rules)
+
+  def with_target_encoded(self) -> "LoopContext":
+    """This context with the target's encoder output computed once and kept in
+    `target_encoded`, for loops whose drafter also reads it (a feature-level head
+    cross-attends to the target's encoder states)."""
+    return dataclasses.replace(self, target_encoded=self.encode("target"))
+
+  def start_cache(self, role: str, room: int):
+    """Encodes the role's inputs (once) and returns its empty cache of `room` slots."""
+    model, params, _, _ = self._model(role)
+    return self.constrain_cache(model.init_cache(params, self.encode(role), room), role)
 
   def constrain_cache(self, cache, role: str):
     model, _, _, rules = self._model(role)

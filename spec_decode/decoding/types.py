@@ -162,10 +162,16 @@ class Committed:
   tokens [B, R]: s_1, s_2, ... (R >= max_decode_len; junk past each length).
   length [B]: m, tokens committed. it: scalar, the loop iteration.
   `token_at(i)` is s_i with s_0 = BOS (i may be 0 .. m, per row).
+  target_hidden [B, K + 1, D] or None: in `Drafter.commit` only, the target's
+  final decoder states from this iteration's verify call, at its inputs
+  [s_m (the old m), proposal node 0 .. K - 1]: state i is what the target read its
+  logits at input i from (None for models that expose none). Feature-level
+  drafters read it here, so they need no second target pass.
   """
   tokens: jax.Array
   length: jax.Array
   it: jax.Array
+  target_hidden: Any = None
 
   def token_at(self, i: jax.Array) -> jax.Array:
     prev = jnp.take_along_axis(self.tokens, jnp.maximum(i - 1, 0)[:, None], axis=1)[:, 0]

@@ -119,6 +119,7 @@ class Speculative(runner.Algorithm):
   def decode(self, ctx: runner.LoopContext) -> DecodeResult:
     B, L, g = ctx.batch_size, ctx.max_decode_len, self.gamma
     K = self.max_proposal
+    ctx = ctx.with_target_encoded()  # the target cache and the drafter share one encoding
     room = self.cache_room(L)
     target, params, sampling = ctx.target, ctx.target_params, ctx.sampling
 
@@ -170,7 +171,8 @@ class Speculative(runner.Algorithm):
       else:  # keep s_m (entry 0) and the accepted nodes (entries path + 1), in order
         kept = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path + 1], axis=1)
         target_cache = target_cache.keep(m, kept, count)
-      committed = Committed(tokens=out_tokens, length=new_length, it=s.it)
+      committed = Committed(tokens=out_tokens, length=new_length, it=s.it,
+                            target_hidden=out.hidden)
       draft_state = self.drafter.commit(ctx, draft_state, committed, verdict, proposal)
 
       decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]

@@ -8,7 +8,11 @@ speculative loop's jit:
       propose up to `num` tokens after the committed ones (keys [B, num]
       per-row PRNG keys), with their draft distributions q when sampled
   commit(ctx, state, committed, verdict, proposal) -> state
-      after verification (`committed` holds the new tokens)
+      after verification (`committed` holds the new tokens and, as
+      `target_hidden`, the target's final decoder states from the verify call)
+
+`ctx.encode("target")` inside `init` returns the target's encoder output that
+the target cache was built from (computed once per decode call).
 
 Adding one: a new file here with a `Drafter` subclass under
 `@registry.drafter("name")`, plus its import line below.
