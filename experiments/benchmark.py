@@ -88,12 +88,14 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
   common = dict(max_decode_len=args.decode_len, rng=jax.random.PRNGKey(args.seed),
                 sampling=decoding.Sampling(temperature=args.temperature),
                 **({"mesh": mesh} if mesh is not None else {}))
-  fns = {
-      "autoregressive": lambda enc, ids: decoding.autoregressive(target, tparams, enc,
-                                                                 row_ids=ids, **common),
-      "speculative": lambda enc, ids: decoding.speculative(target, tparams, draft, dparams, enc,
-                                                           gamma=args.gamma, row_ids=ids,
-                                                           **common)}
+  if mesh is None:
+    common["compiler_options"] = args.compiler_options
+  algos = {"autoregressive": decoding.Autoregressive(),
+           "speculative": decoding.Speculative(gamma=args.gamma)}
+  fns = {name: (lambda enc, ids, a=a: decoding.run(
+      a, target, tparams, enc, row_ids=ids,
+      **(dict(draft=draft, draft_params=dparams) if a.needs_draft else {}), **common))
+         for name, a in algos.items()}
   ids = [jnp.arange(i * B, (i + 1) * B, dtype=jnp.int32) for i in range(len(batches))]
   encs = [jnp.asarray(b) for b in batches]
   for f in fns.values():  # compile
@@ -159,13 +161,15 @@ def run(args) -> dict[str, Any]:
   pc = costs.pair_costs(target, tparams, draft, dparams, enc, gammas=args.gammas,
                         cache_length=args.decode_len + max(args.gammas) + 1,
                         position=args.decode_len // 2, steps=args.loop_steps,
-                        repeats=args.repeats, inner=args.inner, mesh=mesh)
+                        repeats=args.repeats, inner=args.inner, mesh=mesh,
+                        marginal=args.marginal, compiler_options=args.compiler_options)
   c = pc["c"]
   result: dict[str, Any] = {
       "target": tspec.to_json(), "draft": dspec.to_json(),
       "target_params": int(sum(x.size for x in jax.tree.leaves(tparams))),
       "draft_params": int(sum(x.size for x in jax.tree.leaves(dparams))),
-      "target_step": pc["target_step"], "draft_step": pc["draft_step"], "c": c}
+      "target_step": pc["target_step"], "draft_step": pc["draft_step"], "c": c,
+      "marginal_step_costs": pc["marginal"]}
   e2e = _e2e(args, target, tparams, draft, dparams, inputs, mesh) if args.e2e else None
   result["e2e"] = e2e
   alpha = None if e2e is None or math.isnan(e2e["alpha"]) else e2e["alpha"]
@@ -279,6 +283,13 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--num_examples", type=int, default=None,
                  help="end-to-end inputs (default max(8, batch_size))")
   p.add_argument("--e2e_repeats", type=int, default=3)
+  p.add_argument("--marginal", default="on", choices=("on", "off"),
+                 help="step costs as the marginal cost of one more decode in a loop (loops of "
+                 "k and 2k steps; default), or off: a k-step call divided by k, which charges "
+                 "each step a share of the call's fixed cost")
+  p.add_argument("--compiler_options", default=None,
+                 help="JSON XLA options of every compiled loop, e.g. '{}' for XLA's defaults "
+                 "(default: spec_decode.compile_options' defaults for the backend)")
   p.add_argument("--no_e2e", dest="e2e", action="store_false")
   p.add_argument("--roofline", default="auto", choices=("auto", "on", "off"))
   p.add_argument("--copy_mib", type=int, default=512)
@@ -302,6 +313,14 @@ def parse_args(argv: Sequence[str]):
   args.gammas = _common.parse_ints(args.gammas, "gammas")
   args.gamma = args.gamma or min(4, max(args.gammas))
   args.num_examples = args.num_examples or max(8, args.batch_size)
+  args.marginal = args.marginal == "on"
+  if args.compiler_options is not None:
+    try:
+      args.compiler_options = json.loads(args.compiler_options)
+    except json.JSONDecodeError as e:
+      p.error(f"--compiler_options must be a JSON object: {e}")
+    if not isinstance(args.compiler_options, dict):
+      p.error(f"--compiler_options must be a JSON object, got {args.compiler_options!r}")
   for name in ("batch_size", "repeats", "inner", "loop_steps", "num_examples", "e2e_repeats",
                "copy_mib"):
     if getattr(args, name) < 1:
@@ -327,9 +346,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   notes = [f"batch {args.batch_size}, mesh {args.mesh or 'none (one device)'}, inputs "
            f"{args.input_length} tokens ({args.task or 'random ids'}), cache of "
            f"{args.decode_len + max(args.gammas) + 1} slots filled to {args.decode_len // 2}; "
-           f"{args.repeats} interleaved rounds of {args.inner} calls of {args.loop_steps} decode "
-           "steps in one jitted loop (per-step cost inside a decoding loop, no per-step "
-           "dispatch); cells are median [25th, 75th percentile] over rounds.",
+           f"{args.repeats} interleaved rounds of {args.inner} calls of "
+           + (f"{args.loop_steps} and {2 * args.loop_steps} decode steps in one jitted loop; a "
+              "step's cost is the marginal cost of one more decode, (t(2k) - t(k)) / k, "
+              "without the call's fixed cost" if args.marginal else
+              f"{args.loop_steps} decode steps in one jitted loop, divided by "
+              f"{args.loop_steps} (includes a share of the call's fixed cost)")
+           + "; cells are median [25th, 75th percentile] over rounds. XLA options: "
+           + ("the backend defaults (spec_decode.compile_options)"
+              if args.compiler_options is None else json.dumps(args.compiler_options)) + ".",
            "Speedup columns use the measured alpha of the end-to-end run and the median c."]
   paths = _common.write_outputs(args.results_dir, f"benchmark_{args.name}",
                                 title=f"Benchmark: {args.target} / {args.draft}", columns=cols,

@@ -33,49 +33,75 @@ from spec_decode.models import t5
 decode_step = timing.decode_loop
 
 
-def interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 2,
+def interleaved(fns: Mapping[str, Any], *, repeats: int, warmup: int = 2,
                 inner: int = 3) -> dict[str, list[float]]:
   """Seconds per decode step of each fn, one value per round (median of `inner` calls).
 
-  A fn made by `decode_step(steps=k)` runs k decodes per call; its time is divided by k.
+  A fn made by `decode_step(steps=k)` runs k decodes per call; its time is
+  divided by k. A value may also be a pair (a k-step loop, a 2k-step loop of
+  the same decode): its round value is then the marginal cost of one more step,
+  (t(2k) - t(k)) / k, free of the fixed cost every call pays once (t(2k) / 2k
+  in a round where noise makes the difference non-positive).
   """
   if repeats < 1 or inner < 1 or warmup < 1:
     raise ValueError(f"need repeats, inner and warmup >= 1, got {repeats}, {inner}, {warmup}")
   for f in fns.values():  # compile and warm up everything before any timing
-    timing.timed(f, repeats=1, warmup=warmup - 1)
+    for g in (f if isinstance(f, tuple) else (f,)):
+      timing.timed(g, repeats=1, warmup=warmup - 1)
+  per_step = lambda g: timing.timed(g, repeats=inner).median / getattr(g, "steps", 1)
   out: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(repeats):
     for name, f in fns.items():
-      out[name].append(timing.timed(f, repeats=inner).median / getattr(f, "steps", 1))
+      if isinstance(f, tuple):
+        short, long = f
+        t_short, t_long = timing.timed(short, repeats=inner).median, timing.timed(
+            long, repeats=inner).median
+        diff = t_long - t_short  # noise can make it <= 0: then the longer loop's per-step
+        out[name].append(diff / (long.steps - short.steps) if diff > 0 else  # upper bound
+                         t_long / long.steps)
+      else:
+        out[name].append(per_step(f))
   return out
 
 
 def pair_costs(target, target_params, draft, draft_params, encoder_tokens, *,
                gammas, cache_length: int, position: int, steps: int, repeats: int,
-               inner: int, mesh=None) -> dict[str, Any]:
+               inner: int, mesh=None, marginal: bool = True,
+               compiler_options=None) -> dict[str, Any]:
   """T_p, T_q, c and T_verify(gamma+1) / T_p of a pair, interleaved (`common.spread` dicts).
 
   With a mesh, the target is laid out by T5X's rules and the draft data-parallel
-  (replicated weights), as `decoding.speculative` does. Returns target_step,
-  draft_step, c, verify {gamma: seconds}, verify_ratio {gamma: ratio}, and the
-  target's step function under "target_fn" (for `decode_bytes`).
+  (replicated weights), as `decoding.speculative` does. marginal (default):
+  every cost is the marginal cost of one more decode in a loop (loops of
+  `steps` and 2 * `steps` decodes, see `interleaved`), which is what a step
+  costs inside the decoding loops; False: a `steps`-decode call divided by
+  `steps`, which charges each step a share of the call's fixed cost.
+  compiler_options: as `decoding.run`'s (None: the backend's defaults).
+  Returns target_step, draft_step, c, verify {gamma: seconds}, verify_ratio
+  {gamma: ratio}, and the target's step function under "target_fn" (for
+  `decode_bytes`).
   """
   rules = partitioning.standard_logical_axis_rules() if mesh is not None else None
   draft_rules = partitioning.data_parallel_rules(rules) if mesh is not None else None
-  kw = dict(cache_length=cache_length, position=position, steps=steps, mesh=mesh)
-  fns = {"target": decode_step(target, target_params, encoder_tokens, num_tokens=1,
-                               rules=rules, **kw),
-         "draft": decode_step(draft, draft_params, encoder_tokens, num_tokens=1,
-                              rules=draft_rules, **kw)}
+  kw = dict(cache_length=cache_length, position=position, mesh=mesh,
+            compiler_options=None if mesh is not None else compiler_options)
+
+  def fn(model, params, tokens, rules):
+    make = lambda k: decode_step(model, params, encoder_tokens, num_tokens=tokens, rules=rules,
+                                 steps=k, **kw)
+    return (make(steps), make(2 * steps)) if marginal else make(steps)
+
+  fns = {"target": fn(target, target_params, 1, rules),
+         "draft": fn(draft, draft_params, 1, draft_rules)}
   for g in gammas:
-    fns[f"verify_{g}"] = decode_step(target, target_params, encoder_tokens, num_tokens=g + 1,
-                                     rules=rules, **kw)
+    fns[f"verify_{g}"] = fn(target, target_params, g + 1, rules)
   t = interleaved(fns, repeats=repeats, inner=inner)
+  target_fn = fns["target"][0] if marginal else fns["target"]
   return {"target_step": spread(t["target"]), "draft_step": spread(t["draft"]),
           "c": spread(ratios(t["draft"], t["target"])),
           "verify": {g: spread(t[f"verify_{g}"]) for g in gammas},
           "verify_ratio": {g: spread(ratios(t[f"verify_{g}"], t["target"])) for g in gammas},
-          "target_fn": fns["target"]}
+          "target_fn": target_fn, "marginal": marginal}
 
 
 def ratios(num: list[float], den: list[float]) -> list[float]:

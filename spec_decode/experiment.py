@@ -67,6 +67,9 @@ class ExperimentConfig:
   (the draft is replicated, its batch sharded). mesh: e.g. 'data=1,model=4' to shard
   over the local devices. vocabulary: SentencePiece model for T5's tasks
   instead of gs://t5-data's; tfds_data_dir: where TFDS data is prepared.
+  compiler_options: XLA options of every compiled decoding loop and step timer
+  (unsharded runs); None: the backend's defaults (`spec_decode.compile_options`),
+  {}: XLA's own.
   """
   target: ModelSpec
   draft: ModelSpec | None
@@ -94,6 +97,7 @@ class ExperimentConfig:
   vocabulary: str | None = None
   tfds_data_dir: str | None = None
   decoders: Mapping[str, decoding.Algorithm] = dataclasses.field(default_factory=dict)
+  compiler_options: Mapping[str, Any] | None = None
 
   def __post_init__(self):
     if not isinstance(self.target, ModelSpec):
@@ -113,6 +117,13 @@ class ExperimentConfig:
         raise ValueError(f"ExperimentConfig.decoders[{name!r}] must be a decoding algorithm "
                          f"(e.g. Speculative(gamma=4)), got {type(algo).__name__}")
     object.__setattr__(self, "decoders", dict(self.decoders))
+    if self.compiler_options is not None:
+      if not isinstance(self.compiler_options, Mapping):
+        raise ValueError(f"ExperimentConfig.compiler_options must map XLA option names to "
+                         f"values, got {type(self.compiler_options).__name__}")
+      if self.mesh:
+        raise ValueError("ExperimentConfig.compiler_options apply to unsharded runs (mesh None)")
+      object.__setattr__(self, "compiler_options", dict(self.compiler_options))
     if self.decoders and self.gamma is None:
       raise ValueError("gamma None (automatic choice) applies only to the default decoder; "
                        "with ExperimentConfig.decoders set, give each Speculative its gamma")
@@ -181,6 +192,8 @@ class ExperimentConfig:
     d["decoders"] = {name: decoding.registry.describe(a) for name, a in self.decoders.items()}
     d["feature_lengths"] = dict(self.feature_lengths)
     d["logical_axis_rules"] = [list(r) for r in self.logical_axis_rules]
+    if d["compiler_options"] is None:
+      del d["compiler_options"]  # recorded only when set, so older runs' config.json match
     return d
 
   @property
@@ -278,6 +291,8 @@ def _decoders(s: _Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
                 rng=jax.random.PRNGKey(cfg.seed))
   if s.mesh is not None:
     common.update(mesh=s.mesh, rules=cfg.rules)
+  else:
+    common.update(compiler_options=cfg.compiler_options)
 
   def make(algorithm):
     drafts = dict(draft=s.draft, draft_params=s.draft_params) if algorithm.needs_draft else {}
@@ -384,7 +399,8 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
   sizes = sorted({a.max_proposal + 1 for a in cfg.algorithms.values()
                   if hasattr(a, "max_proposal")})
   length = cfg.decode_len + max(sizes, default=1)  # the speculative loop's cache size
-  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh)
+  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh,
+            compiler_options=cfg.compiler_options)
   rules = cfg.rules if s.mesh is not None else None
   target_s = timing.step_time(s.target, s.target_params, enc, rules=rules, **kw)
   out: dict[str, Any] = {"target_step_seconds": target_s}

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from spec_decode import partitioning
+from spec_decode import compile_options, partitioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def timed(fn: Callable[[], Any], *, repeats: int = 1, warmup: int = 0) -> Timed:
 
 def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
                 position: int | None = None, steps: int = 1, mesh=None,
-                rules=None) -> Callable[[], jax.Array]:
+                rules=None, compiler_options=None) -> Callable[[], jax.Array]:
   """A zero-argument function running `steps` decodes of num_tokens tokens per row in one jit.
 
   The cache holds `cache_length` slots with every row at `position` (default
@@ -63,6 +63,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   T5X's), the batch over `data` and the cache by its logical axes, the way
   `decoding.speculative` lays them out. The function's `.steps` is `steps`;
   `.state` holds params, tokens and the current cache (the cache is donated).
+  compiler_options: as `decoding.run`'s (None: the backend's defaults, which
+  the decoding loops use too), unsharded runs only.
   """
   if not 1 <= num_tokens <= cache_length:
     raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
@@ -86,7 +88,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   tokens = jnp.full((encoder_tokens.shape[0], num_tokens), 2, jnp.int32)
   if mesh is not None:
     tokens = partitioning.put(tokens, partitioning.batch_sharding(mesh, tokens.shape, rules))
-  run = _jitted_steps(model, steps, mesh, rules)
+  options = compile_options.resolve(compiler_options) if mesh is None else ()
+  run = _jitted_steps(model, steps, mesh, rules, options)
   state = {"cache": cache, "params": params, "tokens": tokens}
 
   def call():
@@ -100,20 +103,40 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
 
 def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_length: int,
               position: int | None = None, steps: int = 8, repeats: int = 10, warmup: int = 2,
-              mesh=None, rules=None) -> float:
+              mesh=None, rules=None, marginal: bool = True, compiler_options=None) -> float:
   """Median seconds of one `model.decode` of num_tokens tokens per row inside a jitted loop.
 
-  Each timed call runs `steps` decodes (`decode_loop`) and counts as
-  1/steps of its time; see `decode_loop` for the cache and layout.
+  marginal (default): the cost of one more decode inside a loop, i.e. the
+  difference between a loop of 2 * steps decodes and one of `steps`, divided
+  by `steps` (rounds interleaved; median of the per-round differences). Each
+  timed call also pays a fixed cost (dispatch, argument transfer, loop entry:
+  about 2 ms on the 2-core CPU, as much as eight demo target steps), which a
+  decoding loop pays once per call, not per step; dividing a whole call by its
+  steps charges it to every step and biases small-model step times (and c,
+  and the verify ratio) upwards. When noise makes the difference non-positive
+  the per-step time of the longer loop is returned (an upper bound).
+  marginal=False: one call of `steps` decodes divided by `steps`.
   """
-  call = decode_loop(model, params, encoder_tokens, num_tokens=num_tokens,
-                     cache_length=cache_length, position=position, steps=steps, mesh=mesh,
-                     rules=rules)
-  return timed(call, repeats=repeats, warmup=warmup).median / steps
+  kw = dict(num_tokens=num_tokens, cache_length=cache_length, position=position, mesh=mesh,
+            rules=rules, compiler_options=compiler_options)
+  short = decode_loop(model, params, encoder_tokens, steps=steps, **kw)
+  if not marginal:
+    return timed(short, repeats=repeats, warmup=warmup).median / steps
+  long = decode_loop(model, params, encoder_tokens, steps=2 * steps, **kw)
+  timed(short, repeats=1, warmup=warmup)
+  timed(long, repeats=1, warmup=warmup)
+  diffs, longs = [], []
+  for _ in range(repeats):
+    a = timed(short).seconds[0]
+    b = timed(long).seconds[0]
+    diffs.append(b - a)
+    longs.append(b)
+  diff = statistics.median(diffs)
+  return diff / steps if diff > 0 else statistics.median(longs) / (2 * steps)
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_steps(model, steps: int, mesh, rules):
+def _jitted_steps(model, steps: int, mesh, rules, options=()):
   """One jitted k-step decode loop per (model, k, layout): equal shapes share a compile."""
 
   def _run(params, cache, tokens):
@@ -130,4 +153,4 @@ def _jitted_steps(model, steps: int, mesh, rules):
     cache, _, logits = jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))
     return logits, cache
 
-  return jax.jit(_run, donate_argnums=1)
+  return jax.jit(_run, donate_argnums=1, compiler_options=dict(options) or None)

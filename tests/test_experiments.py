@@ -233,7 +233,7 @@ def test_benchmark_tiny(out):
   assert [r[0] for r in rows] == ["1", "2", "7"]
   doc = _json(paths["json"])
   s = doc["summary"]
-  assert s["c"]["median"] > 0 and s["target_step"]["n"] == 2
+  assert s["c"]["median"] > 0 and s["target_step"]["n"] == 2 and s["marginal_step_costs"]
   for k in ("autoregressive", "speculative"):
     assert s["e2e"][k]["tokens_per_second"] > 0 and s["e2e"][k]["iterations"] > 0
   assert 0.0 <= s["e2e"]["alpha"] <= 1.0

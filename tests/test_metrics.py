@@ -107,5 +107,8 @@ def test_step_time_runs_for_any_decoder():
                 ngram.fit([[3, 4, 1]], order=2, vocab_size=64, smoothing=1.0))):
     s = timing.step_time(m, p, enc, num_tokens=3, cache_length=8, repeats=2, warmup=1)
     assert isinstance(s, float) and np.isfinite(s)
+    s = timing.step_time(m, p, enc, num_tokens=3, cache_length=8, repeats=2, warmup=1,
+                         marginal=False, compiler_options={})
+    assert isinstance(s, float) and s > 0
   with pytest.raises(ValueError, match="num_tokens"):
     timing.step_time(model, params, enc, num_tokens=9, cache_length=8)

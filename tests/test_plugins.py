@@ -206,6 +206,31 @@ def test_compiler_options_compile_a_separate_executable_with_equal_outputs():
                  mesh=partitioning.make_mesh("data=1"), compiler_options={"a": 1})
 
 
+def test_default_compiler_options_are_probed_and_explicit_ones_win():
+  from spec_decode import compile_options
+  if jax.default_backend() == "cpu":
+    known = dict(compile_options.defaults())
+    assert set(known) <= set(compile_options.CPU_DEFAULTS)
+    assert known  # this jaxlib knows the CPU options the project measured
+  assert compile_options.defaults("gpu") == ()
+  assert not compile_options._supported("xla_cpu_no_such_option", 1)
+  assert compile_options.resolve(None) == compile_options.defaults()
+  assert compile_options.resolve({}) == ()
+  assert compile_options.resolve({"b": 1, "a": 2}) == (("a", 2), ("b", 1))
+  with pytest.raises(ValueError, match="mapping"):
+    compile_options.resolve([("a", 1)])
+  # XLA's defaults ({}) and the project's defaults (None) decode the same tokens
+  model = MarkovDecoder(vocab_size=6, order=2)
+  params = model.init(jax.random.PRNGKey(0))
+  enc = np.array([[2, 3], [4, 0]], np.int32)
+  kw = dict(draft=model, draft_params=params, max_decode_len=6,
+            sampling=decoding.Sampling(temperature=1.0), rng=jax.random.PRNGKey(1))
+  algo = decoding.Speculative(gamma=2)
+  ours = decoding.run(algo, model, params, enc, **kw)
+  xla = decoding.run(algo, model, params, enc, **kw, compiler_options={})
+  np.testing.assert_array_equal(ours.tokens, xla.tokens)
+
+
 def test_a_crowded_process_releases_its_executables():
   from spec_decode import experiment
   if experiment.memory_map_use() is None:

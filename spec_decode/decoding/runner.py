@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import partitioning
+from spec_decode import compile_options, partitioning
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models import base
@@ -224,7 +224,9 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   (target by `rules`, default T5X's; draft by `draft_rules`, default
   data-parallel: replicated parameters, batch sharded); outputs equal the
   unsharded ones. compiler_options: XLA options for this executable (unsharded
-  runs), e.g. {"xla_cpu_use_onednn": True}; each distinct set compiles once.
+  runs), e.g. {"xla_cpu_use_onednn": True}; None (default): the project's
+  defaults for the backend (`spec_decode.compile_options`; {} gives XLA's own);
+  each distinct set compiles once.
   """
   if not isinstance(algorithm, Algorithm):
     raise ValueError(f"algorithm must be a decoding Algorithm (e.g. decoding.Speculative(gamma="
@@ -238,10 +240,11 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     if target.vocab_size != draft.vocab_size:
       raise ValueError(f"target and draft vocabularies differ: target vocab_size "
                        f"{target.vocab_size}, draft vocab_size {draft.vocab_size}")
-    if draft_encoder_tokens is None:
+    if draft_encoder_tokens is None:  # checked above (and the vocabularies are equal)
       draft_encoder_tokens = encoder_tokens
-    draft_encoder_tokens = base.check_tokens(draft_encoder_tokens, "draft_encoder_tokens",
-                                             draft.vocab_size)
+    else:
+      draft_encoder_tokens = base.check_tokens(draft_encoder_tokens, "draft_encoder_tokens",
+                                               draft.vocab_size)
     if draft_encoder_tokens.shape[0] != encoder_tokens.shape[0]:
       raise ValueError(f"draft_encoder_tokens batch {draft_encoder_tokens.shape[0]} != "
                        f"encoder_tokens batch {encoder_tokens.shape[0]}")
@@ -254,8 +257,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
   args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)
   if mesh is None:
-    options = tuple(sorted((compiler_options or {}).items()))
-    return _unsharded_jit(options)(
+    return _unsharded_jit(compile_options.resolve(compiler_options))(
         *args, algorithm=algorithm, target=target, draft=draft, max_decode_len=max_decode_len,
         sampling=sampling)
   fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,
