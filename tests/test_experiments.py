@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, demo_quality, paper_tables,
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, paper_tables, peers,
                          reproduce, results_readme, setups, trees)
 from spec_decode import decoding, theory
 from spec_decode.models import delayed as delay
@@ -243,6 +243,26 @@ def test_benchmark_tiny(out):
       s["e2e"]["alpha"], 7, s["c"]["median"]), rtol=1e-6)
   text = open(paths["md"]).read()
   assert "T_p (target step)" in text and "memory roofline" in text
+
+
+def test_peers_tiny(out):
+  pytest.importorskip("transformers")
+  paths = peers.main(_TINY_MODELS + [
+      "--gamma", "7", "--input_length", "24", "--decode_len", "10", "--num_examples", "2",
+      "--repeats", "1", "--name", "tiny", "--results_dir", out["results"]])
+  doc = _json(paths["json"])
+  names = [r["decoder"] for r in doc["rows"]]
+  assert names[:3] == ["ours: autoregressive", "ours: speculative (gamma 7)",
+                       "HF: greedy generate"]
+  assert any("assisted" in n for n in names) and any("prompt lookup" in n for n in names)
+  for r in doc["rows"]:
+    assert r["tokens_per_second"] > 0
+    # the same weights: every exact decoder reproduces our autoregressive tokens
+    assert r["identical"] == 1.0, r
+  assert doc["rows"][0]["speedup_over_own_baseline"] == 1.0
+  assert doc["summary"]["ours_speculative_over_hf_assisted"] > 0
+  with pytest.raises(SystemExit):
+    peers.parse_args(["--target", "t5_1_1_tiny"])
 
 
 def test_ablate_tiny(out):

@@ -1,0 +1,236 @@
+r"""A peer on the same weights: Hugging Face transformers' decoders next to this project's.
+
+  python -m experiments.peers                      # the demo EnDe pair on its task (CPU)
+  python -m experiments.peers --task synthetic_cnndm --target demo:cnndm_target \
+      --draft demo:cnndm_small --input_length 320 --name demo_cnndm
+
+The target and draft are written with `checkpoints.save(format="hf")` and read
+back by `transformers.T5ForConditionalGeneration` (PyTorch, CPU, float32).
+Then, back to back in this process, on the same examples (batch 1, greedy,
+up to --decode_len new tokens, EOS ends a row), each decoder decodes every
+example once per round, rounds interleaved (median over rounds):
+  ours:  autoregressive, speculative (gamma, the model drafter);
+  HF:    greedy `generate`, assisted generation with the draft
+         (`assistant_model=`, a constant --gamma draft tokens per call, no
+         confidence cut-off), assisted generation with HF's default schedule
+         (heuristic draft length, confidence threshold), prompt-lookup decoding
+         (`prompt_lookup_num_tokens=gamma`, no draft model).
+Reported per decoder: tokens/s, speedup over its own baseline (ours over our
+autoregressive decoding, HF's over HF greedy), tokens per target call where
+known, and the fraction of examples whose tokens equal our autoregressive
+output. Timings include everything a user call pays (encoding, host work).
+torch runs with --torch_threads threads (default: all cores, as XLA:CPU).
+Writes <results_dir>/peers_<name>.{md,csv,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from experiments import _common, benchmark, setups
+from experiments._common import Column, fmt
+from spec_decode.models.base import EOS_ID
+
+
+def _cut(tokens: Sequence[int]) -> tuple[int, ...]:
+  """Tokens up to and including the first EOS (the padding after it dropped)."""
+  out = []
+  for t in tokens:
+    out.append(int(t))
+    if t == EOS_ID:
+      break
+  return tuple(out)
+
+
+def _ours(target, tparams, draft, dparams, gamma: int, decode_len: int):
+  import jax
+  from spec_decode import decoding
+  algos = {"ours: autoregressive": decoding.Autoregressive(),
+           f"ours: speculative (gamma {gamma})": decoding.Speculative(gamma=gamma)}
+
+  def make(algo):
+    kw = dict(draft=draft, draft_params=dparams) if algo.needs_draft else {}
+
+    def run(enc: np.ndarray):
+      r = decoding.run(algo, target, tparams, enc, max_decode_len=decode_len, **kw)
+      jax.block_until_ready(r.tokens)
+      calls = int(np.asarray(r.stats.target_calls)[0])
+      return _cut(np.asarray(r.tokens)[0]), calls
+    return run
+  return {name: make(a) for name, a in algos.items()}
+
+
+def _hf(target_dir: str, draft_dir: str, gamma: int, decode_len: int):
+  import torch
+  import transformers
+  tgt = transformers.T5ForConditionalGeneration.from_pretrained(target_dir).eval()
+  dft = transformers.T5ForConditionalGeneration.from_pretrained(draft_dir).eval()
+  common = dict(max_new_tokens=decode_len, do_sample=False, num_beams=1,
+                decoder_start_token_id=0, eos_token_id=EOS_ID, pad_token_id=0)
+  variants = {
+      "HF: greedy generate": {},
+      f"HF: assisted (gamma {gamma}, constant)": dict(
+          assistant_model=dft, num_assistant_tokens=gamma,
+          num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0),
+      "HF: assisted (HF default schedule)": dict(assistant_model=dft),
+      f"HF: prompt lookup ({gamma} tokens)": dict(prompt_lookup_num_tokens=gamma)}
+
+  def make(extra):
+    def run(enc: np.ndarray):
+      ids = torch.from_numpy(enc.astype(np.int64))
+      with torch.inference_mode():
+        out = tgt.generate(input_ids=ids, attention_mask=(ids > 0).long(), **common, **extra)
+      return _cut(out[0, 1:].tolist()), None  # drop the decoder start token
+    return run
+  return {name: make(extra) for name, extra in variants.items()}
+
+
+def run(args) -> dict[str, Any]:
+  import jax
+  import torch
+  from spec_decode import checkpoints
+  from spec_decode.model_specs import LoadContext, load
+  tspec = benchmark._model_spec(args.target, args.target_config, "float32", 0, args.vocab_size,
+                                "target")
+  dspec = benchmark._model_spec(args.draft, args.draft_config, "float32", 1, args.vocab_size,
+                                "draft")
+  target, tparams = load(tspec, LoadContext("target"))
+  draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size))
+  inputs = benchmark._inputs(args, target.vocab_size)
+  torch.set_num_threads(args.torch_threads)
+  with tempfile.TemporaryDirectory() as tmp:
+    tdir, ddir = os.path.join(tmp, "target"), os.path.join(tmp, "draft")
+    checkpoints.save(tdir, target.config, jax.device_get(tparams), format="hf")
+    checkpoints.save(ddir, draft.config, jax.device_get(dparams), format="hf")
+    fns = dict(_ours(target, tparams, draft, dparams, args.gamma, args.decode_len))
+    fns.update(_hf(tdir, ddir, args.gamma, args.decode_len))
+  encs = [inputs[i:i + 1] for i in range(len(inputs))]
+  for f in fns.values():  # compile / warm up
+    f(encs[0])
+  seconds = {name: [] for name in fns}
+  outputs: dict[str, list] = {}
+  calls: dict[str, list] = {}
+  for _ in range(args.repeats):
+    for name, f in fns.items():
+      total, outs, cs = 0.0, [], []
+      for enc in encs:
+        start = time.perf_counter()
+        toks, c = f(enc)
+        total += time.perf_counter() - start
+        outs.append(toks)
+        cs.append(c)
+      seconds[name].append(total)
+      outputs[name], calls[name] = outs, cs
+  names = list(fns)
+  ref = outputs[names[0]]  # our autoregressive decoding
+  own_base = {n: names[0] if n.startswith("ours") else "HF: greedy generate" for n in names}
+  rows = []
+  for n in names:
+    toks = sum(len(o) for o in outputs[n])
+    med = statistics.median(seconds[n])
+    tps = toks / med
+    rows.append({"decoder": n, "tokens": toks, "seconds": _common.spread(seconds[n]),
+                 "tokens_per_second": tps,
+                 "identical": float(np.mean([a == b for a, b in zip(outputs[n], ref)])),
+                 "tokens_per_target_call": (toks / sum(calls[n]) if None not in calls[n]
+                                            else None)})
+  by_name = {r["decoder"]: r for r in rows}
+  for r in rows:
+    base = by_name[own_base[r["decoder"]]]
+    r["speedup_over_own_baseline"] = r["tokens_per_second"] / base["tokens_per_second"]
+  ours_spec = rows[1]["tokens_per_second"]
+  hf_assisted = by_name[names[3]]["tokens_per_second"]
+  summary = {"ours_speculative_over_hf_assisted": ours_spec / hf_assisted,
+             "ours_speedup": rows[1]["speedup_over_own_baseline"],
+             "hf_assisted_speedup": by_name[names[3]]["speedup_over_own_baseline"],
+             "torch_threads": args.torch_threads, "torch_version": torch.__version__,
+             "num_examples": len(encs),
+             "target": tspec.to_json(), "draft": dspec.to_json()}
+  return {"rows": rows, "summary": summary}
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.peers", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default=None, help="T5 preset (random weights), checkpoint path, or "
+                 "demo:NAME; default: the demo EnDe pair on synthetic_ende")
+  p.add_argument("--draft", default=None)
+  p.add_argument("--target_config", default=None, help="JSON T5Config overrides of a preset")
+  p.add_argument("--draft_config", default=None)
+  p.add_argument("--vocab_size", type=int, default=None, help="vocab_size of both presets")
+  p.add_argument("--task", default=None, help="take inputs from this task (else random ids)")
+  p.add_argument("--split", default="test")
+  p.add_argument("--input_length", type=int, default=None)
+  p.add_argument("--decode_len", type=int, default=None)
+  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--num_examples", type=int, default=20)
+  p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+  p.add_argument("--torch_threads", type=int, default=os.cpu_count() or 1)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--name", default=None, help="output stem peers_<name>")
+  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  args = p.parse_args(list(argv))
+  if args.target is None:
+    if args.draft is not None:
+      p.error("--draft needs --target")
+    task, inputs, targets = setups.DEMO_TASKS["ende"]
+    args.target, args.draft = "demo:ende_target", "demo:ende_small"
+    args.task = args.task or task
+    args.input_length = args.input_length or inputs
+    args.decode_len = args.decode_len or targets
+    args.name = args.name or "demo_ende"
+  if args.draft is None:
+    p.error("--target needs --draft")
+  args.input_length = args.input_length or 64
+  args.decode_len = args.decode_len or 64
+  for name in ("gamma", "num_examples", "repeats", "torch_threads", "input_length",
+               "decode_len"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1")
+  args.name = args.name or "custom"
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  meta = _common.new_meta("experiments.peers", argv, **{
+      k: v for k, v in vars(args).items() if k != "results_dir"})
+  res = run(args)
+  _common.finish_meta(meta)
+  s = res["summary"]
+  cols = [Column("decoder", "decoder", str),
+          Column("tokens_per_second", "tokens/s", lambda v: fmt(v, 1)),
+          Column("speedup_over_own_baseline", "speedup over own baseline",
+                 lambda v: fmt(v, 2, "X")),
+          Column("tokens_per_target_call", "tokens per target call", lambda v: fmt(v, 2)),
+          Column("identical", "identical to ours (AR)", lambda v: fmt(v, 2))]
+  notes = [f"{s['num_examples']} examples ({args.task or 'random ids'}, {args.split}), batch 1, "
+           f"greedy, up to {args.decode_len} new tokens; {args.repeats} interleaved rounds, "
+           f"median. torch {s['torch_version']} with {args.torch_threads} threads, float32; "
+           "ours: JAX/XLA:CPU, float32, the default compile options.",
+           "Speedups are each family's own: ours over our autoregressive decoding, HF's over "
+           "HF greedy generate. 'identical' compares each decoder's tokens (up to EOS) with "
+           "our autoregressive output."]
+  extra_md = (f"\n## Summary\n\n- our speculative tokens/s / HF assisted (constant gamma) "
+              f"tokens/s: {fmt(s['ours_speculative_over_hf_assisted'], 2, 'X')}\n"
+              f"- speedup over own baseline: ours {fmt(s['ours_speedup'], 2, 'X')}, HF assisted "
+              f"{fmt(s['hf_assisted_speedup'], 2, 'X')}\n")
+  paths = _common.write_outputs(args.results_dir, f"peers_{args.name}",
+                                title=f"Peers on the same weights: {args.target} / {args.draft}",
+                                columns=cols, rows=res["rows"], meta=meta, notes=notes,
+                                extra_md=extra_md, extra={"summary": s})
+  print(open(paths["md"], encoding="utf-8").read())
+  return paths
+
+
+if __name__ == "__main__":
+  main()
