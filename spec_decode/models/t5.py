@@ -158,7 +158,9 @@ class DecodeCache(base.LengthCache):
 
   self_k, self_v:   tuple over decoder layers of [B, L, N, H]; positions >= a
                     row's length hold stale values that attention masks out.
-  cross_k, cross_v: tuple over decoder layers of [B, S, N, H], computed once.
+  cross_k, cross_v: tuple over decoder layers of [B, N, S, H] (heads before
+                    positions: the layout attention's batched dot reads without
+                    a transpose), computed once.
   encoder_mask:     [B, S] bool.
   lengths:          [B] int32, tokens already in the cache per row.
   """
@@ -178,9 +180,10 @@ class DecodeCache(base.LengthCache):
   def logical_axes(self) -> "DecodeCache":
     """K/V [B,L,N,H] -> ('batch','length','heads','kv'); mask and lengths batch-sharded."""
     kv = ("batch", "length", "heads", "kv")
-    layers = lambda xs: tuple(kv for _ in xs)
-    return self.replace(self_k=layers(self.self_k), self_v=layers(self.self_v),
-                        cross_k=layers(self.cross_k), cross_v=layers(self.cross_v),
+    cross = ("batch", "heads", "length", "kv")
+    layers = lambda xs, axes: tuple(axes for _ in xs)
+    return self.replace(self_k=layers(self.self_k, kv), self_v=layers(self.self_v, kv),
+                        cross_k=layers(self.cross_k, cross), cross_v=layers(self.cross_v, cross),
                         encoder_mask=("batch", "length"), lengths=("batch",))
 
 
@@ -220,6 +223,14 @@ def _attend(q_BTNH, k_BLNH, v_BLNH, bias_BNTL, mask_BTL):
   logits = jnp.where(mask_BTL[:, None], logits, _NEG_INF)
   weights = jax.nn.softmax(logits, axis=-1).astype(v_BLNH.dtype)
   return jnp.einsum("BNTL,BLNH->BTNH", weights, v_BLNH)
+
+
+def _attend_cached(q_BTNH, k_BNLH, v_BNLH, mask_BTL):
+  """`_attend` without bias over K/V laid out heads-major (cross-attention's cache)."""
+  logits = jnp.einsum("BTNH,BNLH->BNTL", q_BTNH, k_BNLH).astype(jnp.float32)
+  logits = jnp.where(mask_BTL[:, None], logits, _NEG_INF)
+  weights = jax.nn.softmax(logits, axis=-1).astype(v_BNLH.dtype)
+  return jnp.einsum("BNTL,BNLH->BTNH", weights, v_BNLH)
 
 
 def _write_rows(cache_BLNH, new_BTNH, offsets_B):
@@ -379,8 +390,8 @@ class T5:
     cross_k, cross_v = [], []
     for i in range(c.num_decoder_layers):
       a = params["decoder"][f"layers_{i}"]["encoder_decoder_attention"]
-      cross_k.append(self._project_heads(encoded.hidden, a["key"]["kernel"]))
-      cross_v.append(self._project_heads(encoded.hidden, a["value"]["kernel"]))
+      for out, name in ((cross_k, "key"), (cross_v, "value")):
+        out.append(jnp.swapaxes(self._project_heads(encoded.hidden, a[name]["kernel"]), 1, 2))
     empty = jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
     return DecodeCache(
         self_k=tuple(empty for _ in range(c.num_decoder_layers)),
@@ -448,7 +459,7 @@ class T5:
       h = _rms_norm(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["encoder_decoder_attention"]
       q = self._project_heads(h, a["query"]["kernel"])
-      x = x + self._merge_heads(_attend(q, cache.cross_k[i], cache.cross_v[i], None, cross_mask),
+      x = x + self._merge_heads(_attend_cached(q, cache.cross_k[i], cache.cross_v[i], cross_mask),
                                 a["out"]["kernel"])
       h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h)
