@@ -83,6 +83,33 @@ def test_sample_from_frequencies():
   np.testing.assert_allclose(freq, probs, atol=5 * np.sqrt(0.25 / n))
 
 
+@pytest.mark.parametrize("V", [50, 1536])
+def test_sample_from_large_vocabularies_blocks_and_zeros(V):
+  """The two-level inverse CDF: whole zero blocks, zeros inside blocks, a padded last block."""
+  from scipy import stats
+  rng = np.random.default_rng(V)
+  p = rng.dirichlet(np.full(V, 0.3)).astype(np.float64)
+  p[rng.random(V) < 0.3] = 0.0
+  p[: V // 3] = 0.0  # whole blocks without mass
+  p[-1] = max(p[-1], 0.05)  # mass in the (padded) last block
+  p = (p / p.sum()).astype(np.float32)
+  n = 100_000
+  keys = jax.random.split(jax.random.PRNGKey(2), n)
+  draws = np.asarray(jax.jit(jax.vmap(lambda k: sample_from(k, jnp.asarray(p))))(keys))
+  counts = np.bincount(draws, minlength=V)
+  assert counts[p == 0].sum() == 0
+  expected = p.astype(np.float64) * n
+  big = expected >= 5  # pool the rare tokens into one cell
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  keep = exp > 0
+  chi2 = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
+  assert stats.chi2.sf(chi2, keep.sum() - 1) > 1e-3
+  point = np.zeros(V, np.float32)
+  point[V - 1] = 1.0  # a point mass on the very last index
+  assert set(np.asarray(jax.vmap(lambda k: sample_from(k, point))(keys[:100]))) == {V - 1}
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),

@@ -14,6 +14,7 @@ token that crosses the threshold is kept).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +69,36 @@ class Sampling:
 
 
 def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """Draws an index from each distribution along the last axis (zeros never drawn)."""
-  logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-  return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+  """Draws an index from each distribution along the last axis (zeros never drawn).
+
+  Inverse-CDF sampling with one uniform per distribution, u ~ U(0, total mass):
+  the drawn index is the first whose cumulative mass exceeds u. The cumulative
+  sum is taken in two levels (blocks of about sqrt(V) entries: block sums, then
+  within the chosen block), because XLA lowers a cumulative sum over V entries
+  to O(V^2) work; on the 2-core CPU this draws from V = 1536 in ~15 us, where
+  Gumbel-max (`jax.random.categorical`, V random numbers) takes ~300 us, more
+  than a demo target step. A zero-probability index is never the first to
+  exceed u, so it is never drawn; if float rounding leaves no index of the
+  chosen block above u, its last positive index is taken.
+  """
+  probs = probs.astype(jnp.float32)
+  V = probs.shape[-1]
+  blk = max(8, int(math.ceil(math.sqrt(V))))
+  nb = -(-V // blk)
+  pad = [(0, 0)] * (probs.ndim - 1) + [(0, nb * blk - V)]
+  pb = jnp.pad(probs, pad).reshape(probs.shape[:-1] + (nb, blk))
+  block_cum = jnp.cumsum(jnp.sum(pb, axis=-1), axis=-1)  # [..., nb]
+  total = block_cum[..., -1:]
+  u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * total
+  u = jnp.minimum(u, jnp.nextafter(total, jnp.zeros_like(total)))  # u < total
+  b = jnp.sum(block_cum <= u, axis=-1)  # the first block whose cumulative mass exceeds u
+  before = jnp.where(b > 0, jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[..., None],
+                                                axis=-1)[..., 0], 0.0)
+  inner = jnp.take_along_axis(pb, b[..., None, None], axis=-2)[..., 0, :]  # [..., blk]
+  above = (before[..., None] + jnp.cumsum(inner, axis=-1)) > u
+  last_positive = blk - 1 - jnp.argmax((inner > 0)[..., ::-1], axis=-1)
+  j = jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last_positive)
+  return (b * blk + j).astype(jnp.int32)
 
 
 def next_token(keys: jax.Array, logits: jax.Array, sampling: "Sampling") -> jax.Array:
