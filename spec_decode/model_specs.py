@@ -230,5 +230,14 @@ def _load_ngram(spec: ModelSpec, context: LoadContext):
   return model, params
 
 
+def _load_medusa(spec: ModelSpec, context: LoadContext):
+  from spec_decode.heads import medusa
+  if spec.checkpoint is None:
+    raise ValueError(f"a medusa {context.role} needs checkpoint= (a directory written by "
+                     "spec_decode.heads.medusa.save)")
+  return medusa.load(resolve_checkpoint(spec.checkpoint))
+
+
 register_kind("t5", _load_t5)
 register_kind("ngram", _load_ngram)
+register_kind("medusa", _load_medusa)

@@ -43,7 +43,10 @@ def _build():
     built.append(cfg)
   if _bound(train.TrainConfig):
     built.append(gin.get_configurable(train.TrainConfig)())
-  assert built, "the file configures neither ExperimentConfig nor TrainConfig"
+  from spec_decode.heads import medusa
+  if _bound(medusa.TrainConfig):
+    built.append(gin.get_configurable(medusa.TrainConfig)())
+  assert built, "the file configures neither ExperimentConfig nor a TrainConfig"
   return built[0]
 
 
