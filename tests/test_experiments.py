@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, demo_quality, paper_tables, peers,
-                         reproduce, results_readme, setups, trees)
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, heads, paper_tables,
+                         peers, reproduce, results_readme, setups, trees)
 from spec_decode import decoding, theory
 from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
@@ -263,6 +263,21 @@ def test_peers_tiny(out):
   assert doc["summary"]["ours_speculative_over_hf_assisted"] > 0
   with pytest.raises(SystemExit):
     peers.parse_args(["--target", "t5_1_1_tiny"])
+
+
+def test_heads_on_the_demo_pair(out):
+  paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
+                      "--repeats", "1", "--timing_repeats", "2", "--results_dir",
+                      out["results"]])
+  rows = _json(paths["json"])["rows"]
+  assert [r["decoder"] for r in rows] == ["autoregressive", "small draft (gamma 4)",
+                                          "Medusa heads (gamma 4)"]
+  for r in rows:
+    assert r["identical"] == 1.0 and r["tokens_per_target_call"] >= 1.0
+  for r in rows[1:]:
+    assert 0.0 <= r["alpha"] <= 1.0 and r["c"] > 0
+  with pytest.raises(SystemExit):
+    heads.parse_args(["--tasks", "wmt"])
 
 
 def test_ablate_tiny(out):
