@@ -256,15 +256,38 @@ def _summary_md(args, res: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Sequence[str]):
-  p = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+  """--target/--draft (preset, checkpoint or demo:NAME), their config overrides, vocab_size."""
   p.add_argument("--target", default=None, help="T5 preset (random weights), checkpoint path, or "
                  "demo:NAME; default: the demo EnDe pair on synthetic_ende")
   p.add_argument("--draft", default=None)
   p.add_argument("--target_config", default=None, help="JSON T5Config overrides of a preset")
   p.add_argument("--draft_config", default=None)
   p.add_argument("--vocab_size", type=int, default=None, help="vocab_size of both presets")
+
+
+def fill_pair_defaults(p: argparse.ArgumentParser, args) -> None:
+  """No --target: the demo EnDe pair on its task and lengths (name demo_ende); else both
+  models are required, and lengths default to 64."""
+  if args.target is None:
+    if args.draft is not None:
+      p.error("--draft needs --target")
+    task, inputs, targets = setups.DEMO_TASKS["ende"]
+    args.target, args.draft = "demo:ende_target", "demo:ende_small"
+    args.task = args.task or task
+    args.input_length = args.input_length or inputs
+    args.decode_len = args.decode_len or targets
+    args.name = args.name or "demo_ende"
+  if args.draft is None:
+    p.error("--target needs --draft")
+  args.input_length = args.input_length or 64
+  args.decode_len = args.decode_len or 64
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_pair_arguments(p)
   p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default float32)")
   p.add_argument("--task", default=None, help="take inputs (and alpha) from this task")
   p.add_argument("--split", default="test")
@@ -297,19 +320,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--name", default=None, help="output stem benchmark_<name> (default from models)")
   p.add_argument("--results_dir", default=_common.RESULTS_DIR)
   args = p.parse_args(list(argv))
-  if args.target is None:
-    if args.draft is not None:
-      p.error("--draft needs --target")
-    task, inputs, targets = setups.DEMO_TASKS["ende"]
-    args.target, args.draft = "demo:ende_target", "demo:ende_small"
-    args.task = args.task or task
-    args.input_length = args.input_length or inputs
-    args.decode_len = args.decode_len or targets
-    args.name = args.name or "demo_ende"
-  if args.draft is None:
-    p.error("--target needs --draft")
-  args.input_length = args.input_length or 64
-  args.decode_len = args.decode_len or 64
+  fill_pair_defaults(p, args)
   args.gammas = _common.parse_ints(args.gammas, "gammas")
   args.gamma = args.gamma or min(4, max(args.gammas))
   args.num_examples = args.num_examples or max(8, args.batch_size)

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from experiments import _common, benchmark, setups
+from experiments import _common, benchmark
 from experiments._common import Column, fmt
 from spec_decode.models.base import EOS_ID
 
@@ -160,12 +160,7 @@ def run(args) -> dict[str, Any]:
 def parse_args(argv: Sequence[str]):
   p = argparse.ArgumentParser(prog="python -m experiments.peers", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--target", default=None, help="T5 preset (random weights), checkpoint path, or "
-                 "demo:NAME; default: the demo EnDe pair on synthetic_ende")
-  p.add_argument("--draft", default=None)
-  p.add_argument("--target_config", default=None, help="JSON T5Config overrides of a preset")
-  p.add_argument("--draft_config", default=None)
-  p.add_argument("--vocab_size", type=int, default=None, help="vocab_size of both presets")
+  benchmark.add_pair_arguments(p)
   p.add_argument("--task", default=None, help="take inputs from this task (else random ids)")
   p.add_argument("--split", default="test")
   p.add_argument("--input_length", type=int, default=None)
@@ -178,19 +173,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--name", default=None, help="output stem peers_<name>")
   p.add_argument("--results_dir", default=_common.RESULTS_DIR)
   args = p.parse_args(list(argv))
-  if args.target is None:
-    if args.draft is not None:
-      p.error("--draft needs --target")
-    task, inputs, targets = setups.DEMO_TASKS["ende"]
-    args.target, args.draft = "demo:ende_target", "demo:ende_small"
-    args.task = args.task or task
-    args.input_length = args.input_length or inputs
-    args.decode_len = args.decode_len or targets
-    args.name = args.name or "demo_ende"
-  if args.draft is None:
-    p.error("--target needs --draft")
-  args.input_length = args.input_length or 64
-  args.decode_len = args.decode_len or 64
+  benchmark.fill_pair_defaults(p, args)
   for name in ("gamma", "num_examples", "repeats", "torch_threads", "input_length",
                "decode_len"):
     if getattr(args, name) < 1:

@@ -113,3 +113,32 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
                            f"--gin.NAME=\"'{bad}'\" (bindings: {list(gin_bindings)})") from e
     raise GinConfigError(f"gin syntax error: {e}") from e
   _check_macros(gin_bindings)
+
+
+def run_trainer(program: str, config_cls, gin_name: str, example_gin: str, train_fn) -> None:
+  """`python -m <program> --gin_file=... [--gin.NAME=VALUE]`: builds the gin-configured
+  `config_cls` (registered as `gin_name`) and calls train_fn(config); one line per error."""
+  from absl import app, flags
+
+  from spec_decode import cli
+  if "gin_file" not in flags.FLAGS:
+    flags.DEFINE_multi_string("gin_file", [], "gin files to parse (in order)")
+    flags.DEFINE_multi_string("gin_bindings", [], f"extra gin bindings, e.g. "
+                              f"{gin_name}.num_steps=10; --gin.NAME=VALUE also works")
+  cli.define_flags()
+
+  def main(argv) -> None:
+    import gin
+    with cli.handle_errors(program):
+      if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      cli.quiet_logging()
+      parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
+      try:
+        cfg = gin.get_configurable(config_cls)()
+      except TypeError as e:
+        raise GinConfigError(f"the gin files do not configure a {gin_name} ({e}); pass "
+                             f"--gin_file={example_gin}") from e
+      train_fn(cfg)
+
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(rewrite_gin_args(argv)))

@@ -277,6 +277,13 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
       train_split = source.tokenized("train", cfg.max_train_examples)
     if eval_split is None:
       eval_split = source.tokenized("validation", cfg.eval_examples)
+  for name, split in (("training", train_split), ("evaluation", eval_split)):
+    top = max(max(max(r, default=0) for r in split.inputs),
+              max(max(r, default=0) for r in split.targets))
+    if top >= model_cfg.vocab_size:
+      raise ValueError(f"the {name} data of task {cfg.task!r} has token id {top}, outside the "
+                       f"model's vocabulary of {model_cfg.vocab_size} (TrainConfig.model "
+                       f"{dict(cfg.model)}); set its vocab_size to the task's vocabulary")
   teacher = teacher_params = None
   if cfg.mode == "distill":
     teacher_cfg, teacher_params = _load_params(cfg.teacher_checkpoint)
@@ -340,35 +347,12 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
                      eval=last_eval)
 
 
-def main(argv) -> None:
-  """`python -m spec_decode.train --gin_file=... [--gin.NAME=VALUE]`: one line per error."""
-  import gin
-  from absl import app, flags
-
-  from spec_decode import cli, gin_config
-  with cli.handle_errors("spec_decode.train"):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    cli.quiet_logging()
-    gin_config.parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-    try:
-      cfg = gin.get_configurable(TrainConfig)()
-    except TypeError as e:
-      raise gin_config.GinConfigError(f"the gin files do not configure a TrainConfig ({e}); pass "
-                                      "--gin_file=configs/demo/... (see configs/demo/)") from e
-    train(cfg, report=lambda s: print(s, flush=True))
-
-
 def run_cli() -> None:
-  from absl import app, flags
-
-  from spec_decode import cli, gin_config
-  if "gin_file" not in flags.FLAGS:
-    flags.DEFINE_multi_string("gin_file", [], "gin files to parse (in order)")
-    flags.DEFINE_multi_string("gin_bindings", [], "extra gin bindings, e.g. "
-                              "TrainConfig.num_steps=10; --gin.NAME=VALUE also works")
-  cli.define_flags()
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_config.rewrite_gin_args(argv)))
+  """`python -m spec_decode.train --gin_file=... [--gin.NAME=VALUE]`: one line per error."""
+  from spec_decode import gin_config
+  gin_config.run_trainer("spec_decode.train", TrainConfig, "TrainConfig",
+                         "configs/demo/... (see configs/demo/)",
+                         lambda cfg: train(cfg, report=lambda s: print(s, flush=True)))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,14 @@ def test_loss_decreases_on_a_tiny_run():
     assert np.mean([h["loss"] for h in r.history[-5:]]) < first["loss"] - 0.5
 
 
+def test_data_outside_the_vocabulary_is_refused():
+  split = _copy_split(8, 0)
+  wide = train_data.TokenizedSplit(split.inputs, tuple(t[:-1] + (10_000, 1) for t in
+                                                      split.targets))
+  with pytest.raises(ValueError, match="token id 10000, outside the model's vocabulary"):
+    train.train(_cfg(), train_split=wide, eval_split=split, report=lambda s: None)
+
+
 def test_resume_gives_the_same_next_step(tmp_path):
   split, val = _copy_split(100, 0), _copy_split(16, 1)
   kw = dict(train_split=split, eval_split=val, report=lambda s: None)

@@ -306,36 +306,12 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print, train_spli
           "minutes": minutes}
 
 
-def main(argv) -> None:
-  """`python -m spec_decode.heads.medusa --gin_file=configs/demo/ende_medusa.gin`."""
-  import gin
-  from absl import app, flags
-
-  from spec_decode import cli, gin_config
-  with cli.handle_errors("spec_decode.heads.medusa"):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    cli.quiet_logging()
-    gin_config.parse_gin(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-    try:
-      cfg = gin.get_configurable(TrainConfig)()
-    except TypeError as e:
-      raise gin_config.GinConfigError(
-          f"the gin files do not configure a MedusaTrainConfig ({e}); pass "
-          "--gin_file=configs/demo/ende_medusa.gin") from e
-    train(cfg, report=lambda s: print(s, flush=True))
-
-
 def run_cli() -> None:
-  from absl import app, flags
-
-  from spec_decode import cli, gin_config
-  if "gin_file" not in flags.FLAGS:
-    flags.DEFINE_multi_string("gin_file", [], "gin files to parse (in order)")
-    flags.DEFINE_multi_string("gin_bindings", [], "extra gin bindings, e.g. "
-                              "MedusaTrainConfig.num_steps=10; --gin.NAME=VALUE also works")
-  cli.define_flags()
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_config.rewrite_gin_args(argv)))
+  """`python -m spec_decode.heads.medusa --gin_file=configs/demo/ende_medusa.gin`."""
+  from spec_decode import gin_config
+  gin_config.run_trainer("spec_decode.heads.medusa", TrainConfig, "MedusaTrainConfig",
+                         "configs/demo/ende_medusa.gin",
+                         lambda cfg: train(cfg, report=lambda s: print(s, flush=True)))
 
 
 if __name__ == "__main__":
