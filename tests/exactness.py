@@ -1,5 +1,5 @@
 """Shared by the exactness oracles of verifiers and drafters (test_block_verification.py,
-test_adaptive.py): tiny models whose every output sequence can be enumerated, one
+test_adaptive.py, test_tree.py, test_tree_rrs.py): tiny models whose every output sequence can be enumerated, one
 speculative run per case over a large batch of independent rows, and the
 sequence-level chi-square test of tests/test_speculative.py (same P_REJECT).
 
@@ -46,6 +46,18 @@ def t5_models():
                                  num_decoder_layers=1))
   return {"target": (target, target.init(jax.random.PRNGKey(0))),
           "far": (far, far.init(jax.random.PRNGKey(1)))}
+
+
+@functools.lru_cache(maxsize=None)
+def t5_eos_pair():
+  """(target, params, draft, params): T5 tiny pair, vocab 32, EOS made likely enough to end
+  some rows inside a draft tree (for greedy identity tests of tree decoders)."""
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=32))
+  draft = t5.T5(t5.T5Config.preset("t5_tiny", vocab_size=32, num_decoder_layers=1))
+  tp = target.init(jax.random.PRNGKey(0))
+  dense = tp["decoder"]["logits_dense"]["kernel"]
+  tp["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(3.0)
+  return target, tp, draft, draft.init(jax.random.PRNGKey(1))
 
 
 def family(name: str):
