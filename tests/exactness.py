@@ -28,12 +28,15 @@ T5_ENC = np.array([[3, 4, 5, 2, 6, 0, 0], [2, 6, 3, 3, 5, 4, 2]], np.int32)
 
 @functools.lru_cache(maxsize=None)
 def markov_models():
-  """Order-2 target; drafts: far (order 1), close (perturbed target), identical."""
+  """Order-2 target; drafts: far (order 1), close (perturbed target), identical, uniform
+  (order 1 with zero logits: the same model as far, so the two share compilations)."""
   target = MarkovDecoder(MK_V, order=2)
   tp = target.init(jax.random.PRNGKey(10), scale=1.5)
   far = MarkovDecoder(MK_V, order=1)
+  zeros = jax.numpy.zeros((MK_V, MK_V), jax.numpy.float32)
   return {"target": (target, tp),
           "far": (far, far.init(jax.random.PRNGKey(11))),
+          "uniform": (far, {"table": zeros, "source": zeros}),
           "close": (target, testing.perturbed(tp, 12, 0.3)),
           "same": (target, tp)}
 

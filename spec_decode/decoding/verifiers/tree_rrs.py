@@ -89,25 +89,20 @@ class TreeRRSVerifier(Verifier):
     else:
       u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(accept_keys)
     slot = jnp.arange(K)[None, :]
-    cur = jnp.full((B,), -1, jnp.int32)  # -1: the root; i >= 0: node i
-    p_cur = p[:, 0]  # the (residual) target law at the current node
-    q_cur = jnp.zeros((B, V), p.dtype)  # the residual draft law once a child was rejected
-    fresh = jnp.ones((B,), bool)  # no child of the current node tested yet
-    n = jnp.zeros((B,), jnp.int32)
-    path = jnp.zeros((B, K), jnp.int32)
-    decided = jnp.zeros((B,), jnp.int32)
-    beta = jnp.zeros((B, K), jnp.float32)
-    for i in range(K):  # parents first: the current node's children come after it
-      test = valid[:, i] & (par[:, i] == cur)
-      x = tok[:, i]
+    q_nodes = jnp.zeros((B, K, 1), p.dtype) if q is None else q  # [B, K, V] or unused
+
+    def step(carry, node):
+      cur, p_cur, q_cur, fresh, n, path, decided, beta = carry
+      i, x, parent, ok, u_i, q_i, p_after = node
+      test = ok & (parent == cur)
       onehot = jax.nn.one_hot(x, V, dtype=p.dtype)
       if q is None:
         q_use = onehot  # a point mass at the node's own token
       else:
-        q_use = jnp.where(fresh[:, None], q[:, i], q_cur)
+        q_use = jnp.where(fresh[:, None], q_i, q_cur)
       p_x = jnp.take_along_axis(p_cur, x[:, None], axis=1)[:, 0]
       q_x = jnp.take_along_axis(q_use, x[:, None], axis=1)[:, 0]
-      accept = test & (u[:, i] * q_x < p_x)
+      accept = test & (u_i * q_x < p_x)
       reject = test & ~accept
       chance = jnp.sum(jnp.minimum(p_cur, q_use), axis=-1)
       beta = jnp.where(test[:, None] & (slot == decided[:, None]), chance[:, None], beta)
@@ -122,10 +117,21 @@ class TreeRRSVerifier(Verifier):
         q_res = q_use
       else:
         q_res = _normalized(q_use * (1.0 - onehot), jnp.zeros_like(q_use))
-      p_next = p[:, i + 1]  # the law after node i
-      p_cur = jnp.where(accept[:, None], p_next, jnp.where(reject[:, None], p_res, p_cur))
+      p_cur = jnp.where(accept[:, None], p_after, jnp.where(reject[:, None], p_res, p_cur))
       q_cur = jnp.where(reject[:, None], q_res, q_cur)
       fresh = jnp.where(accept, True, jnp.where(reject, False, fresh))
       cur = jnp.where(accept, i, cur)
+      return (cur, p_cur, q_cur, fresh, n, path, decided, beta), None
+
+    init = (jnp.full((B,), -1, jnp.int32),  # the current node: -1 the root, i >= 0 node i
+            p[:, 0],  # the (residual) target law at the current node
+            jnp.zeros((B, V), p.dtype),  # the residual draft law once a child was rejected
+            jnp.ones((B,), bool),  # no child of the current node tested yet
+            jnp.zeros((B,), jnp.int32), jnp.zeros((B, K), jnp.int32),  # n, path
+            jnp.zeros((B,), jnp.int32), jnp.zeros((B, K), jnp.float32))  # decided, beta
+    # Nodes in index order (parents first: the current node's children come after it).
+    nodes = (jnp.arange(K, dtype=jnp.int32), tok.T, par.T, valid.T, u.T,
+             jnp.swapaxes(q_nodes, 0, 1), jnp.swapaxes(p[:, 1:], 0, 1))
+    (_, p_cur, _, _, n, path, decided, beta), _ = jax.lax.scan(step, init, nodes)
     extra = draw(correct_keys, p_cur, greedy=sampling.greedy)
     return Verdict(accepted=n, path=path, extra=extra, decided=decided, beta=beta)
