@@ -1,7 +1,8 @@
 """Shared by the exactness oracles of verifiers and drafters (test_block_verification.py,
-test_adaptive.py, test_tree.py, test_tree_rrs.py): tiny models whose every output sequence can be enumerated, one
-speculative run per case over a large batch of independent rows, and the
-sequence-level chi-square test of tests/test_speculative.py (same P_REJECT).
+test_adaptive.py, test_tree.py, test_tree_rrs.py): tiny models whose every output
+sequence can be enumerated, one speculative run per case over a large batch of
+independent rows, and the sequence-level chi-square test of
+tests/test_speculative.py (same P_REJECT).
 
 Rows are independent samples because each row's keys derive from (rng, row id,
 step) only; row group g (a block of consecutive rows) decodes encoder input g.
