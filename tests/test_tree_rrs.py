@@ -212,3 +212,29 @@ def test_settings_are_checked():
   assert _algo(2, 3).max_proposal == 14
   assert registry.get("drafter", "sampled_tree", width=3).proposal_size(1) == 3 + 9 + 27
   assert isinstance(registry.get("verifier", "tree_rrs"), decoding.TreeRRSVerifier)
+
+
+def test_verifier_respects_chain_length_and_padding_nodes():
+  """Positions at or past a chain's length, and padding nodes (parent -2), are never tested;
+  the extra token then comes from p after the last accepted node."""
+  V, K = 4, 3
+  sampling = decoding.Sampling(1.0)
+  p = np.full((2, K + 1, V), 0.25, np.float32)
+  p[0, 1] = p[1, 3] = np.eye(V, dtype=np.float32)[3]  # the law after 1 (row 0), 3 (row 1) nodes
+  tok = np.array([[2, 2, 2], [1, 2, 3]], np.int32)
+  keys = jax.random.split(jax.random.PRNGKey(0), 2)
+  verifier = decoding.TreeRRSVerifier()
+  # q == p at every proposed position: every proposed token is accepted
+  chain = decoding.Proposal.chain(jnp.asarray(tok), q=jnp.asarray(p[:, :K]),
+                                  length=jnp.array([1, 3]))
+  v = verifier.verify(jnp.asarray(p), chain, keys, keys, sampling=sampling)
+  np.testing.assert_array_equal(v.accepted, [1, 3])
+  np.testing.assert_array_equal(v.decided, [1, 3])
+  np.testing.assert_array_equal(v.extra, [3, 3])
+  np.testing.assert_array_equal(np.asarray(v.path)[1], [0, 1, 2])
+  # a tree whose node 1 (row 0) is padding: the walk stops at node 0
+  tree = decoding.Proposal(tokens=jnp.asarray(tok), q=jnp.asarray(p[:, :K]),
+                           parent=jnp.array([[-1, -2, -2], [-1, 0, 1]], jnp.int32))
+  v = verifier.verify(jnp.asarray(p), tree, keys, keys, sampling=sampling)
+  np.testing.assert_array_equal(v.accepted, [1, 3])
+  np.testing.assert_array_equal(v.extra, [3, 3])
