@@ -1,7 +1,8 @@
 """Shared by the exactness oracles of verifiers and drafters (test_block_verification.py,
-test_adaptive.py): tiny models whose every output sequence can be enumerated, one
-speculative run per case over a large batch of independent rows, and the
-sequence-level chi-square test of tests/test_speculative.py (same P_REJECT).
+test_adaptive.py, test_tree.py, test_tree_rrs.py): tiny models whose every output
+sequence can be enumerated, one speculative run per case over a large batch of
+independent rows, and the sequence-level chi-square test of
+tests/test_speculative.py (same P_REJECT).
 
 Rows are independent samples because each row's keys derive from (rng, row id,
 step) only; row group g (a block of consecutive rows) decodes encoder input g.
@@ -28,12 +29,15 @@ T5_ENC = np.array([[3, 4, 5, 2, 6, 0, 0], [2, 6, 3, 3, 5, 4, 2]], np.int32)
 
 @functools.lru_cache(maxsize=None)
 def markov_models():
-  """Order-2 target; drafts: far (order 1), close (perturbed target), identical."""
+  """Order-2 target; drafts: far (order 1), close (perturbed target), identical, uniform
+  (order 1 with zero logits: the same model as far, so the two share compilations)."""
   target = MarkovDecoder(MK_V, order=2)
   tp = target.init(jax.random.PRNGKey(10), scale=1.5)
   far = MarkovDecoder(MK_V, order=1)
+  zeros = jax.numpy.zeros((MK_V, MK_V), jax.numpy.float32)
   return {"target": (target, tp),
           "far": (far, far.init(jax.random.PRNGKey(11))),
+          "uniform": (far, {"table": zeros, "source": zeros}),
           "close": (target, testing.perturbed(tp, 12, 0.3)),
           "same": (target, tp)}
 
@@ -46,6 +50,18 @@ def t5_models():
                                  num_decoder_layers=1))
   return {"target": (target, target.init(jax.random.PRNGKey(0))),
           "far": (far, far.init(jax.random.PRNGKey(1)))}
+
+
+@functools.lru_cache(maxsize=None)
+def t5_eos_pair():
+  """(target, params, draft, params): T5 tiny pair, vocab 32, EOS made likely enough to end
+  some rows inside a draft tree (for greedy identity tests of tree decoders)."""
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=32))
+  draft = t5.T5(t5.T5Config.preset("t5_tiny", vocab_size=32, num_decoder_layers=1))
+  tp = target.init(jax.random.PRNGKey(0))
+  dense = tp["decoder"]["logits_dense"]["kernel"]
+  tp["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(3.0)
+  return target, tp, draft, draft.init(jax.random.PRNGKey(1))
 
 
 def family(name: str):

@@ -18,24 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import exactness as ex
 from spec_decode import decoding
 from spec_decode.decoding import registry, runner
 from spec_decode.decoding.types import Committed
-from spec_decode.models import t5, testing
+from spec_decode.models import testing
 from spec_decode.models.testing import MarkovDecoder
 
 P_REJECT = 1e-3
 
 
-@functools.lru_cache(maxsize=None)
-def _t5_pair():
-  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=32))
-  draft = t5.T5(t5.T5Config.preset("t5_tiny", vocab_size=32, num_decoder_layers=1))
-  tp = target.init(jax.random.PRNGKey(0))
-  # Make EOS likely enough to end some rows inside the tree.
-  dense = tp["decoder"]["logits_dense"]["kernel"]
-  tp["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(3.0)
-  return target, tp, draft, draft.init(jax.random.PRNGKey(1))
+_t5_pair = ex.t5_eos_pair  # EOS made likely enough to end some rows inside the tree
 
 
 def _tree_algo(**kw):

@@ -10,16 +10,17 @@ Algorithms, drafters and verifiers are registered by name (`registry`).
 from spec_decode.decoding import registry
 from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
 from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, MedusaDrafter, ModelDrafter,
-                                           TreeDrafter)
+                                           SampledTreeDrafter, TreeDrafter)
 from spec_decode.decoding.runner import Algorithm, row_keys, run
 from spec_decode.decoding.sampling import Sampling, sample_from
 from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Proposal,
                                         Verdict)
-from spec_decode.decoding.verifiers import BlockVerifier, ChainVerifier, TreeVerifier, Verifier
+from spec_decode.decoding.verifiers import (BlockVerifier, ChainVerifier, TreeRRSVerifier,
+                                            TreeVerifier, Verifier)
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
            "Committed", "DecodeResult", "DecodeStats", "Drafter", "MedusaDrafter", "ModelDrafter",
-           "Proposal",
-           "Sampling", "Speculative", "TreeDrafter", "TreeVerifier", "Verdict", "Verifier",
+           "Proposal", "SampledTreeDrafter", "Sampling", "Speculative", "TreeDrafter",
+           "TreeRRSVerifier", "TreeVerifier", "Verdict", "Verifier",
            "autoregressive", "registry",
            "row_keys", "run", "sample_from", "speculative"]

@@ -147,6 +147,8 @@ class Verdict:
   decided  [B] int32: draft positions on which a decision was made.
   beta     [B, K] float32: sum_x min(p(x), q(x)) at each proposed position
            (the alpha estimator's terms; 1 where the draft equals the target).
+  Tree verifiers say what a decision is for them (tree.py: a visited node with
+  children; tree_rrs.py: one child's test, beta[t] that test's acceptance chance).
   """
   accepted: jax.Array
   path: jax.Array

@@ -90,6 +90,7 @@ class Speculative(runner.Algorithm):
       raise ValueError(f"{type(self.drafter).__name__} proposes trees but "
                        f"{type(self.verifier).__name__} verifies chains only; use a tree "
                        f"verifier, e.g. TreeVerifier()")
+    self.verifier.check_drafter(self.drafter)
 
   @property
   def max_proposal(self) -> int:

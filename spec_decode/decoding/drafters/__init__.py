@@ -51,5 +51,7 @@ from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  regi
 from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.medusa import MedusaDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.sampled_tree import SampledTreeDrafter  # noqa: E402
 
-__all__ = ["AdaptiveDrafter", "Drafter", "MedusaDrafter", "ModelDrafter", "TreeDrafter"]
+__all__ = ["AdaptiveDrafter", "Drafter", "MedusaDrafter", "ModelDrafter", "SampledTreeDrafter",
+           "TreeDrafter"]

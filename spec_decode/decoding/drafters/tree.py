@@ -45,6 +45,22 @@ class TreeState:
   held: jax.Array
 
 
+def catch_up(ctx, state: TreeState, committed: Committed, depth: int):
+  """(root logits [B, V] after s_m, draft cache holding s_0 .. s_m) of a tree drafter.
+
+  Feeds s_held .. s_m in one call of depth + 1 slots: a proposal at most `depth`
+  deep commits at most depth + 1 tokens, so that many are all the cache can lack.
+  """
+  draft, params = ctx.draft, ctx.draft_params
+  m, held = committed.length, state.held
+  idx = held[:, None] + jnp.arange(depth + 1)[None, :]
+  feed = jax.vmap(committed.token_at, in_axes=1, out_axes=1)(jnp.minimum(idx, m[:, None]))
+  out = draft.decode(params, state.cache.rewind(held), feed)
+  count = m - held + 1
+  root_logits = jnp.take_along_axis(out.logits, (count - 1)[:, None, None], axis=1)[:, 0]
+  return root_logits, ctx.constrain_cache(out.cache.rewind(m + 1), "draft")
+
+
 @registry.drafter("tree")
 @dataclasses.dataclass(frozen=True)
 class TreeDrafter(Drafter):
@@ -83,15 +99,8 @@ class TreeDrafter(Drafter):
   def propose(self, ctx, state: TreeState, committed: Committed, keys, num: int):
     draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
     B, N, W, E = ctx.batch_size, self.budget, self.width, self.expand
-    m, held = committed.length, state.held
-    # Catch up: feed s_held .. s_m (count <= depth + 1), read the root law at s_m.
-    C = self.depth + 1
-    idx = held[:, None] + jnp.arange(C)[None, :]
-    feed = jax.vmap(committed.token_at, in_axes=1, out_axes=1)(jnp.minimum(idx, m[:, None]))
-    out = draft.decode(params, state.cache.rewind(held), feed)
-    count = m - held + 1
-    root_logits = jnp.take_along_axis(out.logits, (count - 1)[:, None, None], axis=1)[:, 0]
-    cache = ctx.constrain_cache(out.cache.rewind(m + 1), "draft")
+    m = committed.length
+    root_logits, cache = catch_up(ctx, state, committed, self.depth)
 
     # Round 0: the root's children.
     root_lp, root_tok = jax.lax.top_k(self._log_law(sampling, root_logits), W)  # [B, W]

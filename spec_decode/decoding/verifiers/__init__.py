@@ -33,6 +33,9 @@ class Verifier:
   # builds p. A verifier that decides otherwise at temperature 0 sets this False.
   greedy_is_matching: ClassVar[bool] = True
 
+  def check_drafter(self, drafter) -> None:
+    """Raises ValueError when this verifier is not exact for `drafter`'s proposals."""
+
   def verify(self, p, proposal: Proposal, accept_keys, correct_keys, *, sampling,
              lenience: float = 1.0) -> Verdict:
     raise NotImplementedError
@@ -41,5 +44,6 @@ class Verifier:
 from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
 from spec_decode.decoding.verifiers.tree import TreeVerifier  # noqa: E402  registration
 from spec_decode.decoding.verifiers.block import BlockVerifier  # noqa: E402  registration
+from spec_decode.decoding.verifiers.tree_rrs import TreeRRSVerifier  # noqa: E402  registration
 
-__all__ = ["Verifier", "BlockVerifier", "ChainVerifier", "TreeVerifier"]
+__all__ = ["Verifier", "BlockVerifier", "ChainVerifier", "TreeRRSVerifier", "TreeVerifier"]
