@@ -9,7 +9,8 @@ Algorithms, drafters and verifiers are registered by name (`registry`).
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
-from spec_decode.decoding.drafters import AdaptiveDrafter, Drafter, ModelDrafter, TreeDrafter
+from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, EagleDrafter, ModelDrafter,
+                                           TreeDrafter)
 from spec_decode.decoding.runner import Algorithm, row_keys, run
 from spec_decode.decoding.sampling import Sampling, sample_from
 from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Proposal,
@@ -17,7 +18,8 @@ from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Pr
 from spec_decode.decoding.verifiers import BlockVerifier, ChainVerifier, TreeVerifier, Verifier
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
-           "Committed", "DecodeResult", "DecodeStats", "Drafter", "ModelDrafter", "Proposal",
-           "Sampling", "Speculative", "TreeDrafter", "TreeVerifier", "Verdict", "Verifier",
+           "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter", "ModelDrafter",
+           "Proposal", "Sampling", "Speculative", "TreeDrafter", "TreeVerifier", "Verdict",
+           "Verifier",
            "autoregressive", "registry",
            "row_keys", "run", "sample_from", "speculative"]

@@ -50,5 +50,6 @@ class Drafter:
 from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.eagle import EagleDrafter  # noqa: E402  registration
 
-__all__ = ["AdaptiveDrafter", "Drafter", "ModelDrafter", "TreeDrafter"]
+__all__ = ["AdaptiveDrafter", "Drafter", "EagleDrafter", "ModelDrafter", "TreeDrafter"]
