@@ -1,1 +1,1 @@
-"""Feature-level drafters' heads: small networks on the target's own decoder features."""
+"""Draft heads that read a frozen target's decoder states (no separate draft model)."""
