@@ -171,10 +171,11 @@ def test_training_time_test_matches_drafting():
   step1, step2 = train_eagle.unrolled_predictions(head, hp, encoded, feats, embed, dec_in, 2)
   forward = head.forward(hp, encoded, feats, embed(np.roll(dec_in, -1, axis=1)))
   np.testing.assert_allclose(step1[:, :T - 1], forward[:, :T - 1], atol=1e-5)
+  step = jax.jit(head.step)
   for i in range(T - 2):
     cache = head.init_cache(hp, encoded, T)
-    _, cache = head.step(hp, cache, feats[:, :i + 1], embed(dec_in[:, 1:i + 2]))
-    pred, _ = head.step(hp, cache, step1[:, i:i + 1], embed(dec_in[:, i + 2:i + 3]))
+    _, cache = step(hp, cache, feats[:, :i + 1], embed(dec_in[:, 1:i + 2]))
+    pred, _ = step(hp, cache, step1[:, i:i + 1], embed(dec_in[:, i + 2:i + 3]))
     np.testing.assert_allclose(step2[:, i], pred[:, 0], atol=1e-5)
 
 
@@ -238,11 +239,12 @@ def test_empty_proposal_is_a_plain_step():
   np.testing.assert_array_equal(v.extra, jnp.argmax(p[:, 0], -1))
   q = jax.nn.one_hot(proposal.tokens, Vs)
   keys = jax.random.split(jax.random.PRNGKey(1), B)
+  verify = jax.jit(lambda ck: decoding.ChainVerifier().verify(
+      p, Proposal.chain(proposal.tokens, q, proposal.length), keys, ck,
+      sampling=decoding.Sampling(temperature=1.0)))
   draws = []
   for seed in range(400):
-    ck = jax.random.split(jax.random.PRNGKey(seed), B)
-    v = decoding.ChainVerifier().verify(p, Proposal.chain(proposal.tokens, q, proposal.length),
-                                        keys, ck, sampling=decoding.Sampling(temperature=1.0))
+    v = verify(jax.random.split(jax.random.PRNGKey(seed), B))
     assert np.all(np.asarray(v.accepted) == 0) and np.all(np.asarray(v.decided) == 0)
     draws.append(np.asarray(v.extra))
   freq = np.stack([np.bincount(np.asarray(draws)[:, b], minlength=Vs) / 400 for b in range(B)])
