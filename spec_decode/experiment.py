@@ -406,7 +406,10 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
   out: dict[str, Any] = {"target_step_seconds": target_s}
   if s.draft is not None:
     draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
-    draft_s = timing.step_time(s.draft, s.draft_params, enc, rules=draft_rules, **kw)
+    draft, dparams = s.draft, s.draft_params
+    if hasattr(draft, "drafting_decoder"):  # a feature-level head: its step on the target's
+      draft, dparams = draft.drafting_decoder(s.target, s.target_params, dparams)  # LM head
+    draft_s = timing.step_time(draft, dparams, enc, rules=draft_rules, **kw)
     out.update(draft_step_seconds=draft_s, c=draft_s / target_s)
   verify = {n: timing.step_time(s.target, s.target_params, enc, num_tokens=n, rules=rules, **kw)
             for n in sizes}

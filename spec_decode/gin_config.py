@@ -33,8 +33,9 @@ def register_gin() -> None:
   gin.external_configurable(model_specs.ModelSpec, "ModelSpec")
   from spec_decode import train
   gin.external_configurable(train.TrainConfig, "TrainConfig")
-  from spec_decode.heads import medusa
+  from spec_decode.heads import medusa, train_eagle
   gin.external_configurable(medusa.TrainConfig, "MedusaTrainConfig")
+  gin.external_configurable(train_eagle.EagleTrainConfig, "EagleTrainConfig")
   gin.add_config_file_search_path(REPO_ROOT)
   _registered = True
 

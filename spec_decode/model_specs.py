@@ -28,7 +28,8 @@ from spec_decode.models import t5
 class ModelSpec:
   """A model to load.
 
-  kind: 't5' or 'ngram' (or any kind added with `register_kind`).
+  kind: 't5', 'ngram' or 'eagle' (a heads.eagle head checkpoint; decodes with the 'eagle'
+    drafter) or any kind added with `register_kind`.
   checkpoint: path of a checkpoint (T5X legacy, T5X Orbax or Hugging Face dir).
   preset: a `T5Config` preset; without a checkpoint the model is randomly
     initialized from `seed`; with one, the loaded shapes must match it.
@@ -238,6 +239,19 @@ def _load_medusa(spec: ModelSpec, context: LoadContext):
   return medusa.load(resolve_checkpoint(spec.checkpoint))
 
 
+def _load_eagle(spec: ModelSpec, context: LoadContext):
+  """An EAGLE head (`heads.eagle.save`'s directory); decodes with EagleDrafter only."""
+  from spec_decode.heads import eagle
+  if spec.checkpoint is None or spec.preset is not None or spec.config or spec.options:
+    raise ValueError(f"an eagle {context.role} is a head checkpoint: give ModelSpec.checkpoint "
+                     "only (no preset, config or options)")
+  if context.mesh is not None:
+    raise ValueError("EAGLE heads decode unsharded only (no mesh)")
+  check_checkpoint(spec, context.role)
+  return eagle.load(resolve_checkpoint(spec.checkpoint), dtype=spec.dtype)
+
+
 register_kind("t5", _load_t5)
 register_kind("ngram", _load_ngram)
 register_kind("medusa", _load_medusa)
+register_kind("eagle", _load_eagle)

@@ -67,6 +67,15 @@ def test_demo_checkpoints_load(name):
   assert shapes == jax.tree_util.tree_map(lambda x: x.shape, t5.T5(cfg).param_shapes())
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_demo_eagle_heads_fit_their_targets(task):
+  from spec_decode.heads import eagle
+  head, params = eagle.load(os.path.join(DEMO, f"{task}_eagle"), dtype="float32")
+  tcfg, _ = checkpoints.load(os.path.join(DEMO, f"{task}_target"), dtype="float32")
+  head.check_target(t5.T5(tcfg))
+  head.check_params(params)
+
+
 @pytest.fixture(scope="module", params=sorted(TASKS))
 def demo(request):
   task = request.param

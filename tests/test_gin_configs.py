@@ -32,8 +32,10 @@ def _bound(cls) -> bool:
 
 
 def _build():
-  """Builds each configured top-level object (ExperimentConfig, TrainConfig); returns the first."""
+  """Builds each configured top-level object (ExperimentConfig, TrainConfig,
+  EagleTrainConfig); returns the first."""
   from spec_decode import train
+  from spec_decode.heads import train_eagle
   built = []
   if _bound(experiment.ExperimentConfig):
     cfg = gin.get_configurable(experiment.ExperimentConfig)()
@@ -46,7 +48,9 @@ def _build():
   from spec_decode.heads import medusa
   if _bound(medusa.TrainConfig):
     built.append(gin.get_configurable(medusa.TrainConfig)())
-  assert built, "the file configures neither ExperimentConfig nor a TrainConfig"
+  if _bound(train_eagle.EagleTrainConfig):
+    built.append(gin.get_configurable(train_eagle.EagleTrainConfig)())
+  assert built, "the file configures no ExperimentConfig or training config"
   return built[0]
 
 

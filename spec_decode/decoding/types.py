@@ -82,10 +82,13 @@ class Proposal:
          verifier then treats each token as drawn from a point mass).
   parent [B, K] int32: node i's parent index, -1 for a child of the last
          committed token (the root); a chain has parent[i] = i - 1.
-  length [B] int32 or None: a chain's proposed tokens per row (1 <= length <= K;
+  length [B] int32 or None: a chain's proposed tokens per row (0 <= length <= K;
          None: all K). Positions >= length are padding (shapes stay static):
          verifiers treat them as not proposed, so after accepting all `length`
-         tokens the extra token is drawn from p at position `length`.
+         tokens the extra token is drawn from p at position `length`. Length 0
+         (a drafter with nothing to propose yet, e.g. EAGLE before the first
+         target feature) makes the verify call a plain step: the extra token
+         is drawn from p at the root.
   """
   tokens: jax.Array
   q: Any

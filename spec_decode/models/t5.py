@@ -318,6 +318,10 @@ class T5:
     return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
 
   # ---------------------------------------------------------------- building blocks
+  def embed(self, params, tokens):
+    """Token embeddings [B, T, D] (the decoder's and encoder's input), config dtype."""
+    return self._embed(params, tokens)
+
   def _embed(self, params, tokens):
     return jnp.take(params["token_embedder"]["embedding"], tokens, axis=0).astype(
         self.config.dtype)
@@ -389,9 +393,9 @@ class T5:
     B = encoded.hidden.shape[0]
     cross_k, cross_v = [], []
     for i in range(c.num_decoder_layers):
-      a = params["decoder"][f"layers_{i}"]["encoder_decoder_attention"]
-      for out, name in ((cross_k, "key"), (cross_v, "value")):
-        out.append(jnp.swapaxes(self._project_heads(encoded.hidden, a[name]["kernel"]), 1, 2))
+      k, v = self.cross_kv(params["decoder"][f"layers_{i}"], encoded.hidden)
+      cross_k.append(k)
+      cross_v.append(v)
     empty = jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
     return DecodeCache(
         self_k=tuple(empty for _ in range(c.num_decoder_layers)),
@@ -415,23 +419,21 @@ class T5:
     cache.check_append(tokens)
     return self._decode(params, cache, tokens, positions, tree_mask)
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None):
-    c = self.config
-    dec = params["decoder"]
-    B, T = tokens.shape
-    L = cache.max_length
-    offsets = cache.lengths
+  def self_attention_geometry(self, rel_embedding_NR, offsets_B, T: int, L: int,
+                              positions=None, tree_mask=None):
+    """(bias [B, N, T, L] float32, mask [B, T, L] bool) of T new tokens' self-attention
+    over a cache of L slots whose rows already hold offsets_B tokens (see `decode`)."""
+    B = offsets_B.shape[0]
     slot_L = jnp.arange(L)
     if positions is None and tree_mask is None:  # a chain: slot == position, causal
-      q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :]
+      q_pos_BT = offsets_B[:, None] + jnp.arange(T)[None, :]
       rel_BTL = slot_L[None, None, :] - q_pos_BT[:, :, None]
       self_mask = slot_L[None, None, :] <= q_pos_BT[:, :, None]  # [B, T, L]
     else:
-      q_pos_BT = offsets[:, None] + jnp.arange(T)[None, :] if positions is None else positions
+      q_pos_BT = offsets_B[:, None] + jnp.arange(T)[None, :] if positions is None else positions
       if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-      new_j_BL = slot_L[None, :] - offsets[:, None]  # which new token a slot holds
+      new_j_BL = slot_L[None, :] - offsets_B[:, None]  # which new token a slot holds
       is_new_BL = (new_j_BL >= 0) & (new_j_BL < T)
       j_BL = jnp.clip(new_j_BL, 0, T - 1)
       k_pos_BL = jnp.where(is_new_BL, jnp.take_along_axis(q_pos_BT, j_BL, axis=1), slot_L[None])
@@ -439,30 +441,55 @@ class T5:
       sees_new_BTL = jnp.take_along_axis(tree_mask, jnp.broadcast_to(j_BL[:, None, :],
                                                                      (B, T, L)), axis=2)
       self_mask = (new_j_BL < 0)[:, None, :] | (is_new_BL[:, None, :] & sees_new_BTL)
-    self_bias = self._relpos_bias(dec["relpos_bias"]["rel_embedding"], rel_BTL,
-                                  bidirectional=False)  # [B, N, T, L]
+    bias = self._relpos_bias(rel_embedding_NR, rel_BTL, bidirectional=False)
+    return bias, self_mask
+
+  def cross_kv(self, layer_params, encoder_hidden_BSD):
+    """One decoder layer's cross-attention K and V of encoder states, laid out heads-major
+    [B, N, S, H] (the layout attention's batched dot reads without a transpose)."""
+    a = layer_params["encoder_decoder_attention"]
+    return tuple(jnp.swapaxes(self._project_heads(encoder_hidden_BSD, a[n]["kernel"]), 1, 2)
+                 for n in ("key", "value"))
+
+  def decoder_layer(self, p, x_BTD, self_k_BLNH, self_v_BLNH, offsets_B, self_bias, self_mask,
+                    cross_k_BNSH, cross_v_BNSH, cross_mask_BTS):
+    """One T5 decoder block (self-attention, cross-attention, MLP, each pre-normed and
+    residual) on x [B, T, D] with T5X-named layer params `p`. The new tokens' K/V are
+    written into the cache rows at `offsets_B`; returns (x, self_k, self_v)."""
+    c = self.config
+    h = _rms_norm(x_BTD, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+    a = p["self_attention"]
+    q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
+    k_all = _write_rows(self_k_BLNH, k, offsets_B)
+    v_all = _write_rows(self_v_BLNH, v, offsets_B)
+    x = x_BTD + self._merge_heads(_attend(q, k_all, v_all, self_bias, self_mask),
+                                  a["out"]["kernel"])
+    h = _rms_norm(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+    a = p["encoder_decoder_attention"]
+    q = self._project_heads(h, a["query"]["kernel"])
+    x = x + self._merge_heads(_attend_cached(q, cross_k_BNSH, cross_v_BNSH, cross_mask_BTS),
+                              a["out"]["kernel"])
+    h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
+    return x + self._mlp(p["mlp"], h), k_all, v_all
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None):
+    c = self.config
+    dec = params["decoder"]
+    B, T = tokens.shape
+    offsets = cache.lengths
+    self_bias, self_mask = self.self_attention_geometry(
+        dec["relpos_bias"]["rel_embedding"], offsets, T, cache.max_length, positions, tree_mask)
     cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
                                   (B, T, cache.encoder_mask.shape[1]))
     x = self._embed(params, tokens)
     new_k, new_v = [], []
     for i in range(c.num_decoder_layers):
-      p = dec[f"layers_{i}"]
-      h = _rms_norm(x, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
-      a = p["self_attention"]
-      q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
-      k_all = _write_rows(cache.self_k[i], k, offsets)
-      v_all = _write_rows(cache.self_v[i], v, offsets)
+      x, k_all, v_all = self.decoder_layer(dec[f"layers_{i}"], x, cache.self_k[i],
+                                           cache.self_v[i], offsets, self_bias, self_mask,
+                                           cache.cross_k[i], cache.cross_v[i], cross_mask)
       new_k.append(k_all)
       new_v.append(v_all)
-      x = x + self._merge_heads(_attend(q, k_all, v_all, self_bias, self_mask),
-                                a["out"]["kernel"])
-      h = _rms_norm(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
-      a = p["encoder_decoder_attention"]
-      q = self._project_heads(h, a["query"]["kernel"])
-      x = x + self._merge_heads(_attend_cached(q, cache.cross_k[i], cache.cross_v[i], cross_mask),
-                                a["out"]["kernel"])
-      h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
-      x = x + self._mlp(p["mlp"], h)
     x = _rms_norm(x, dec["decoder_norm"]["scale"], c.layer_norm_epsilon)
     return base.DecodeOutput(logits=self.logits_from_hidden(params, x),
                              cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),

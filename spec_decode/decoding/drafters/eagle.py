@@ -1,0 +1,113 @@
+"""EAGLE drafting: a head on the target's own decoder features proposes a chain.
+
+`ctx.draft` is an `heads.eagle.EagleHead` and `ctx.draft_params` its
+parameters; the head reads the target's embeddings and LM head from
+`ctx.target_params` and cross-attends to `ctx.encode("target")`, the encoding
+the target cache was built from (no second encoder pass).
+
+State per row with m tokens committed: the head cache holds the pairs
+(f_t, s_{t+1}) for t < m (length m, as the target cache), and `feature` is
+the head's prediction of f_m, the target's state at input s_m.
+
+  propose: x_1 from the LM head on `feature`; then num - 1 head steps, each
+           fed its own last prediction and the token just chosen. The head
+           writes past m; the state keeps the cache rewound to m.
+  commit:  the verify call's target_hidden[:, i] is the true f_{m+i} for
+           i <= n (n accepted), so the head is fed the K + 1 pairs
+           (f_{m+i}, s_{m+i+1}) in one call, rewound to the new length m', and
+           `feature` becomes its prediction at pair m' - 1 (f_{m'}).
+
+The first iteration has no target feature yet: its proposal has length 0, so
+the verify call is a plain target step (the verifier accepts nothing and
+draws s_1 from p at the root); from then on every proposal is full. Greedy
+proposals are the LM head's argmax chain with q None; sampled ones draw from
+the adjusted law `ctx.sampling.probs` and return it as q, so the chain
+verifier's rejection sampling stays exact. Unsharded runs only (mesh=None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_decode.decoding import registry
+from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.types import Committed, Proposal
+from spec_decode.heads import eagle
+
+
+@flax.struct.dataclass
+class EagleState:
+  """cache: the head's cache (lengths m); feature [B, D]: the predicted f_m."""
+  cache: object
+  feature: jax.Array
+
+
+@registry.drafter("eagle")
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(Drafter):
+  """Proposes a chain from an EAGLE head (the loop's draft model); see the module doc."""
+
+  def check_models(self, target, draft) -> None:
+    if not isinstance(draft, eagle.EagleHead):
+      raise ValueError(f"EagleDrafter needs an EagleHead as the draft model, got "
+                       f"{type(draft).__name__}")
+    draft.check_target(target)
+
+  def init(self, ctx, room: int):
+    if ctx.mesh is not None:
+      raise ValueError("EagleDrafter runs unsharded only (mesh=None)")
+    head = ctx.draft
+    cache = head.init_cache(ctx.draft_params, ctx.encode("target"), room)
+    return EagleState(cache=cache,
+                      feature=jnp.zeros((ctx.batch_size, head.d_model), head.config.dtype))
+
+  def propose(self, ctx, state: EagleState, committed: Committed, keys_BK, num: int):
+    head, hp = ctx.draft, ctx.draft_params
+    target, tp, sampling = ctx.target, ctx.target_params, ctx.sampling
+    greedy = sampling.greedy
+
+    def choose(key_B, feature_BD):
+      logits = target.logits_from_hidden(tp, feature_BD[:, None].astype(target.config.dtype))
+      logits = logits[:, 0]
+      if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      q = sampling.probs(logits)
+      return draw(key_B, q, greedy=False), q
+
+    x1, q1 = choose(keys_BK[:, 0], state.feature)
+
+    def step(carry, key_B):
+      cache, feature, x = carry
+      pred, cache = head.step(hp, cache, feature[:, None], target.embed(tp, x[:, None]))
+      x, q = choose(key_B, pred[:, 0])
+      return (cache, pred[:, 0], x), (x, q)
+
+    (cache, _, _), (xs, qs) = jax.lax.scan(step, (state.cache, state.feature, x1),
+                                           jnp.swapaxes(keys_BK[:, 1:], 0, 1))
+    x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
+    q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    B = x.shape[0]
+    length = jnp.full((B,), jnp.where(committed.it == 0, 0, num), jnp.int32)
+    return (Proposal.chain(x, q, length=length),
+            state.replace(cache=cache.rewind(state.cache.lengths)))
+
+  def commit(self, ctx, state: EagleState, committed: Committed, verdict, proposal):
+    head, hp = ctx.draft, ctx.draft_params
+    target, tp = ctx.target, ctx.target_params
+    hidden = committed.target_hidden  # [B, K + 1, D]: f_m .. f_{m+K} along the proposal
+    if hidden is None:
+      raise ValueError("EagleDrafter needs the target's decoder features (target_hidden)")
+    K1 = hidden.shape[1]
+    m = state.cache.lengths
+    # s_{m+1} .. s_{m+K+1}: the tokens chosen after f_m .. f_{m+K} (junk past the new length).
+    nxt = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (K1,)))(committed.tokens, m)
+    pred, cache = head.step(hp, state.cache, hidden, target.embed(tp, nxt))
+    new_length = committed.length
+    last = jnp.clip(new_length - m - 1, 0, K1 - 1)  # pair m' - 1 predicts f_{m'}
+    feature = jnp.take_along_axis(pred, last[:, None, None], axis=1)[:, 0]
+    return EagleState(cache=cache.rewind(new_length), feature=feature)

@@ -1,0 +1,306 @@
+"""An EAGLE head (Li et al. 2024) for an encoder-decoder target.
+
+The head predicts the target's next final decoder state from the one it has:
+with f_t the target's final decoder state at input s_t (the state its logits
+for s_{t+1} are read from) and e_{t+1} the target's embedding of the token
+s_{t+1} chosen after it,
+
+  x_t   = W [norm(f_t); norm(e_{t+1})]             (2D -> D)
+  y_t   = one T5 decoder block on x_t              (self-attention over the head's
+                                                    own cache, cross-attention to
+                                                    the TARGET's encoder output, MLP)
+  f'_{t+1} = final_norm(y_t)                       the predicted f_{t+1}
+
+and the target's own frozen LM head turns f'_{t+1} into logits for s_{t+2}.
+Drafting feeds the head its own predictions f' in place of f.
+
+Head cache entry t holds the pair (f_t, s_{t+1}) at position t, so a head
+cache of length m has consumed the pairs of s_0 .. s_{m-1}: the same length
+as the target cache at the top of a speculative iteration.
+
+Parameters (T5X-style names): fc/kernel [2D, D]; feature_norm, token_norm,
+final_norm scales [D]; relpos_bias/rel_embedding; layers_0/... with the names
+of a T5 decoder layer. The block is `t5.T5.decoder_layer`, not a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_decode import tree_util
+from spec_decode.models import base, t5
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+  """vocab_size and d_model must equal the target's (vocab_size, emb_dim)."""
+  vocab_size: int
+  d_model: int
+  num_heads: int = 4
+  head_dim: int = 32
+  mlp_dim: int = 512
+  mlp_activations: tuple[str, ...] = ("gelu", "linear")
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  layer_norm_epsilon: float = 1e-6
+  dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+    self.block_config  # validates the shared fields
+
+  @classmethod
+  def for_target(cls, target_config: t5.T5Config, **overrides) -> "EagleConfig":
+    """A head for this target: its vocabulary, width and one layer's shape by default."""
+    c = target_config
+    fields = dict(vocab_size=c.vocab_size, d_model=c.emb_dim, num_heads=c.num_heads,
+                  head_dim=c.head_dim, mlp_dim=c.mlp_dim, mlp_activations=c.mlp_activations,
+                  relative_attention_num_buckets=c.relative_attention_num_buckets,
+                  relative_attention_max_distance=c.relative_attention_max_distance,
+                  layer_norm_epsilon=c.layer_norm_epsilon, dtype=c.dtype)
+    return cls(**{**fields, **overrides})
+
+  @property
+  def block_config(self) -> t5.T5Config:
+    """The T5 whose single decoder layer is the head's block."""
+    return t5.T5Config(
+        vocab_size=self.vocab_size, emb_dim=self.d_model, num_heads=self.num_heads,
+        num_encoder_layers=1, num_decoder_layers=1, head_dim=self.head_dim,
+        mlp_dim=self.mlp_dim, mlp_activations=self.mlp_activations, dtype=self.dtype,
+        relative_attention_num_buckets=self.relative_attention_num_buckets,
+        relative_attention_max_distance=self.relative_attention_max_distance,
+        layer_norm_epsilon=self.layer_norm_epsilon)
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["dtype"] = jnp.dtype(self.dtype).name
+    d["mlp_activations"] = list(self.mlp_activations)
+    return d
+
+  @classmethod
+  def from_json(cls, d) -> "EagleConfig":
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead:
+  """The head: pure functions of (params, inputs); hashable, so jit-static."""
+  config: EagleConfig
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def d_model(self) -> int:
+    return self.config.d_model
+
+  @property
+  def block(self) -> t5.T5:
+    return t5.T5(self.config.block_config)
+
+  # ------------------------------------------------------------------ params
+  def _param_specs(self):
+    c = self.config
+    D = c.d_model
+    init = jax.nn.initializers
+    specs = {}
+    for path, spec in self.block._param_specs().items():  # the T5 layer's own initializers
+      if path.startswith(("decoder/layers_0/", "decoder/relpos_bias/")):
+        specs[path[len("decoder/"):]] = spec
+    specs["fc/kernel"] = ((2 * D, D), ("mlp", "embed"),
+                          init.variance_scaling(1.0, "fan_in", "normal"))
+    for name in ("feature_norm", "token_norm", "final_norm"):
+      specs[f"{name}/scale"] = ((D,), ("embed",), init.ones)
+    return specs
+
+  def init(self, rng: jax.Array) -> dict:
+    specs = self._param_specs()
+    keys = jax.random.split(rng, len(specs))
+    flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
+            for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
+    return tree_util.unflatten(flat)
+
+  def param_shapes(self) -> dict:
+    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+
+  def logical_axes(self) -> dict:
+    return tree_util.unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
+
+  def num_params(self) -> int:
+    return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
+
+  def check_params(self, params) -> None:
+    """Raises ValueError unless `params` has this head's names and shapes."""
+    want = {p: tuple(s) for p, (s, _, _) in self._param_specs().items()}
+    got = {p: tuple(np.shape(v)) for p, v in tree_util.flatten(params).items()}
+    if want != got:
+      diff = sorted(set(want.items()) ^ set(got.items()))
+      raise ValueError(f"EAGLE head params do not match its config: {diff[:6]}")
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless `target` is a T5 whose features this head reads."""
+    if not isinstance(target, t5.T5):
+      raise ValueError(f"an EAGLE head needs a T5 target (it reads its decoder features, "
+                       f"embeddings and LM head), got {type(target).__name__}")
+    tc = target.config
+    if (tc.emb_dim, tc.vocab_size) != (self.d_model, self.vocab_size):
+      raise ValueError(f"the EAGLE head (d_model {self.d_model}, vocab_size {self.vocab_size}) "
+                       f"does not match the target (emb_dim {tc.emb_dim}, vocab_size "
+                       f"{tc.vocab_size})")
+
+  # ------------------------------------------------------------------ running
+  def init_cache(self, params, encoded: t5.EncoderOutput, max_decode_len: int) -> t5.DecodeCache:
+    """An empty head cache of `max_decode_len` slots, cross-attending to the TARGET's
+    encoder output `encoded`."""
+    c = self.config
+    B = encoded.hidden.shape[0]
+    k, v = self.block.cross_kv(params["layers_0"], encoded.hidden.astype(c.dtype))
+    empty = lambda: jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
+    return t5.DecodeCache(self_k=(empty(),), self_v=(empty(),), cross_k=(k,), cross_v=(v,),
+                          encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
+
+  def step(self, params, cache: t5.DecodeCache, features_BTD, embeddings_BTD):
+    """Appends T pairs (f_t, e_{t+1}) at each row's cache length.
+
+    features [B, T, D]: target final decoder states (or the head's predictions);
+    embeddings [B, T, D]: the target's embeddings of the tokens chosen after them.
+    Returns (predicted next features [B, T, D], cache with lengths + T).
+    """
+    c = self.config
+    block = self.block
+    B, T, _ = features_BTD.shape
+    f = t5._rms_norm(features_BTD.astype(c.dtype), params["feature_norm"]["scale"],
+                     c.layer_norm_epsilon)
+    e = t5._rms_norm(embeddings_BTD.astype(c.dtype), params["token_norm"]["scale"],
+                     c.layer_norm_epsilon)
+    x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([f, e], axis=-1),
+                   params["fc"]["kernel"].astype(c.dtype))
+    offsets = cache.lengths
+    bias, mask = block.self_attention_geometry(params["relpos_bias"]["rel_embedding"], offsets,
+                                               T, cache.max_length)
+    cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                                  (B, T, cache.encoder_mask.shape[1]))
+    x, k, v = block.decoder_layer(params["layers_0"], x, cache.self_k[0], cache.self_v[0],
+                                  offsets, bias, mask, cache.cross_k[0], cache.cross_v[0],
+                                  cross_mask)
+    x = t5._rms_norm(x, params["final_norm"]["scale"], c.layer_norm_epsilon)
+    return x, cache.replace(self_k=(k,), self_v=(v,), lengths=offsets + T)
+
+  def forward(self, params, encoded: t5.EncoderOutput, features_BTD, embeddings_BTD):
+    """Teacher-forced predictions [B, T, D] of T pairs from an empty cache (training)."""
+    cache = self.init_cache(params, encoded, features_BTD.shape[1])
+    return self.step(params, cache, features_BTD, embeddings_BTD)[0]
+
+  def drafting_decoder(self, target: t5.T5, target_params, params):
+    """(`DraftingDecoder`, its params): the head drafting on its own features as a plain
+    `Decoder`, so generic tools (e.g. `timing.step_time` for c) can run its step."""
+    self.check_target(target)
+    return DraftingDecoder(self, target), {"head": params, "target": target_params}
+
+
+@flax.struct.dataclass
+class DraftingCache:
+  """The head's cache and its last predicted feature [B, D] (what the next token reads)."""
+  head: t5.DecodeCache
+  feature: jax.Array
+
+  @property
+  def lengths(self):
+    return self.head.lengths
+
+  @property
+  def max_length(self) -> int:
+    return self.head.max_length
+
+  def rewind(self, lengths) -> "DraftingCache":
+    return self.replace(head=self.head.rewind(lengths))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftingDecoder:
+  """An EAGLE head as a `Decoder` over params {'head', 'target'}: each token is paired
+  with the head's previous prediction (zeros at first), exactly the drafting step of
+  `decoding.drafters.eagle` (head block + the target's LM head), without true target
+  features. For measuring and inspecting a head; decoding uses `EagleDrafter`."""
+  head: EagleHead
+  target: t5.T5
+
+  @property
+  def vocab_size(self) -> int:
+    return self.head.vocab_size
+
+  def encode(self, params, encoder_tokens):
+    return self.target.encode(params["target"], encoder_tokens)
+
+  def init_cache(self, params, encoded, max_decode_len: int) -> DraftingCache:
+    cache = self.head.init_cache(params["head"], encoded, max_decode_len)
+    B = cache.lengths.shape[0]
+    return DraftingCache(head=cache,
+                         feature=jnp.zeros((B, self.head.d_model), self.head.config.dtype))
+
+  def decode(self, params, cache: DraftingCache, tokens, *, positions=None, tree_mask=None):
+    if positions is not None or tree_mask is not None:
+      raise ValueError("an EAGLE head drafts chains only (no positions / tree_mask)")
+    tokens = base.check_tokens(tokens, "tokens", self.vocab_size)
+    hp, tp = params["head"], params["target"]
+
+    def one(carry, x_B):
+      head_cache, feature = carry
+      pred, head_cache = self.head.step(hp, head_cache, feature[:, None],
+                                        self.target.embed(tp, x_B[:, None]))
+      return (head_cache, pred[:, 0]), pred[:, 0]
+
+    (head_cache, feature), preds = jax.lax.scan(one, (cache.head, cache.feature),
+                                                jnp.swapaxes(tokens, 0, 1))
+    hidden = jnp.swapaxes(preds, 0, 1)
+    logits = self.target.logits_from_hidden(tp, hidden.astype(self.target.config.dtype))
+    return base.DecodeOutput(logits=logits, cache=DraftingCache(head=head_cache, feature=feature),
+                             hidden=hidden)
+
+
+# ---------------------------------------------------------------------- checkpoints
+CONFIG_FILE = "eagle_config.json"
+
+
+def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
+  """Writes the head as a T5X-format checkpoint (the project's writer) plus its config.
+
+  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
+  """
+  import json
+
+  from spec_decode.checkpoints import storage, t5x_legacy
+  head.check_params(params)
+  path = storage.normalize(path)
+  storage.check_empty_target(path)
+  flat = {k: np.asarray(v).astype(jnp.dtype(dtype or head.config.dtype))
+          for k, v in tree_util.flatten(jax.device_get(params)).items()}
+  t5x_legacy.write(path, flat, step=step)
+  config = head.config.to_json()
+  if dtype is not None:
+    config["dtype"] = jnp.dtype(dtype).name
+  storage.write_bytes(storage.join(path, CONFIG_FILE), json.dumps(config, indent=1).encode())
+
+
+def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
+  """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
+  import json
+
+  from spec_decode.checkpoints import common, storage, t5x_legacy
+  path = storage.normalize(path)
+  raw = storage.read_bytes(storage.join(path, CONFIG_FILE))
+  if raw is None:
+    raise ValueError(f"{path} is not an EAGLE head checkpoint: no {CONFIG_FILE}")
+  dtype = common.resolve_dtype(dtype)
+  head = EagleHead(EagleConfig.from_json(dict(json.loads(raw), dtype=jnp.dtype(dtype).name)))
+  params = tree_util.unflatten(common.materialize(t5x_legacy.open_arrays(path), dtype))
+  head.check_params(params)
+  return head, params

@@ -1,0 +1,286 @@
+"""EAGLE head and drafter (spec_decode/heads/eagle.py, decoding/drafters/eagle.py).
+
+* Greedy identity: speculative decoding with the EAGLE drafter equals
+  autoregressive greedy decoding (ragged batch, EOS), with a briefly trained head
+  (which does get tokens accepted) and with a random one.
+* Exactness at temperature 1: the sequence law matches the target's exact law
+  (the chi-square oracle of tests/test_speculative.py, via tests/exactness.py).
+* No second target pass: the target is traced once per loop body, and every
+  target feature the drafter receives equals the final decoder state of a
+  direct teacher-forced target decode of the output.
+* Training: the loss decreases; the training-time test's step 1 is the
+  head's teacher-forced forward and its step 2 is exactly what a drafting head
+  computes; the run resumes from its workdir.
+* Checkpoint round trip; a head that does not fit the target is refused.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import exactness as ex
+from spec_decode import decoding, train_data
+from spec_decode.decoding.drafters.eagle import EagleDrafter
+from spec_decode.decoding.types import Proposal
+from spec_decode.decoding.verifiers.chain import greedy_verdict
+from spec_decode.heads import eagle, train_eagle
+from spec_decode.models import t5
+from test_speculative import _check_greedy_rows
+
+V, N, S, L = 8, 16, 6, 12
+
+
+def _speculative(gamma=3):
+  return decoding.Speculative(gamma=gamma, drafter=EagleDrafter())
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+  """A tiny target, a ragged batch, its greedy outputs, and a head trained on them."""
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V))
+  tp = target.init(jax.random.PRNGKey(7))  # outputs of lengths 3 .. 12
+  rs = np.random.RandomState(31)
+  enc = rs.randint(2, V, (N, S)).astype(np.int32)
+  for row, n in enumerate(rs.randint(1, S + 1, N)):
+    enc[row, n:] = 0
+  ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
+  ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
+  split = train_data.TokenizedSplit(
+      tuple(tuple(int(t) for t in row[row > 0]) for row in enc),
+      tuple(tuple(int(t) for t in row[:n]) for row, n in zip(ar_tokens, ar_lengths)))
+  cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=60, input_length=S,
+                                     target_length=L, learning_rate=3e-3, warmup_steps=5,
+                                     log_every=10, eval_every=1000, eval_examples=N)
+  result = train_eagle.train_head(cfg, report=lambda s: None, train_split=split,
+                                  eval_split=split, target=target, target_params=tp)
+  return target, tp, enc, ar_tokens, ar_lengths, result
+
+
+def test_outputs_are_ragged_and_end_with_eos():
+  *_, ar_tokens, ar_lengths, _ = _setup()
+  assert len(set(ar_lengths.tolist())) > 1
+  ended = [r for r in range(N) if ar_lengths[r] < L]
+  assert ended and all(ar_tokens[r, ar_lengths[r] - 1] == t5.EOS_ID for r in ended)
+
+
+def test_training_loss_decreases():
+  *_, result = _setup()
+  losses = [h["loss"] for h in result.history]
+  assert losses[-1] < 0.7 * losses[0], losses
+  assert result.history[-1]["agree_1"] > result.history[0]["agree_1"]
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_greedy_equals_autoregressive(trained):
+  target, tp, enc, ar_tokens, ar_lengths, result = _setup()
+  head = result.head
+  hp = result.params if trained else head.init(jax.random.PRNGKey(7))
+  out = decoding.run(_speculative(), target, tp, enc, draft=head, draft_params=hp,
+                     max_decode_len=L)
+  near_ties = _check_greedy_rows(target, tp, enc, range(N), np.asarray(out.tokens),
+                                 np.asarray(out.lengths), ar_tokens, ar_lengths)
+  assert near_ties == 0
+  stats = out.stats
+  if trained:  # the trained head gets tokens accepted: the acceptance path is exercised
+    assert int(np.sum(stats.accepted)) > N
+  # The first call proposes nothing; every later call proposes gamma tokens.
+  assert np.all(np.asarray(stats.draft_tokens) == 3 * (np.asarray(stats.target_calls) - 1))
+
+
+def test_sequence_law_is_exact_at_temperature_1():
+  models, enc_all, max_len = ex.family("t5")
+  target, tp = models["target"]
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config))
+  hp = head.init(jax.random.PRNGKey(5))
+  sampling = decoding.Sampling(temperature=1.0)
+  rows, n_inputs = 20_000, 2
+  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
+  result = decoding.run(_speculative(gamma=2), target, tp, enc, draft=head, draft_params=hp,
+                        max_decode_len=max_len, sampling=sampling, rng=jax.random.PRNGKey(0),
+                        row_ids=np.arange(rows))
+  seqs = ex.testing.sequences(result)
+  per = len(seqs) // n_inputs
+  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
+  fit = ex.fit("eagle t5 T=1", groups, ex.target_laws("t5", n_inputs, sampling))
+  assert fit.p_value > ex.P_REJECT
+  accepted, decisions = int(np.sum(result.stats.accepted)), int(np.sum(result.stats.decisions))
+  assert 0 < accepted < decisions  # both acceptances and rejections happened
+
+
+class _CountingT5(t5.T5):
+  """A T5 that counts how often its decoder and encoder are traced."""
+  traces = {"decode": 0, "encode": 0}
+
+  def decode(self, params, cache, tokens, **kw):
+    type(self).traces["decode"] += 1
+    return super().decode(params, cache, tokens, **kw)
+
+  def encode(self, params, encoder_tokens):
+    type(self).traces["encode"] += 1
+    return super().encode(params, encoder_tokens)
+
+
+class _RecordingDrafter(EagleDrafter):
+  """Sends each commit's (old length, accepted, target features) to the host."""
+  log = []
+
+  def commit(self, ctx, state, committed, verdict, proposal):
+    record = lambda m, n, hidden: type(self).log.append(
+        (np.asarray(m), np.asarray(n), np.asarray(hidden)))
+    jax.debug.callback(record, state.cache.lengths, verdict.accepted, committed.target_hidden,
+                       ordered=True)
+    return super().commit(ctx, state, committed, verdict, proposal)
+
+
+def test_target_features_come_from_the_verify_call_alone():
+  target0, tp, enc, _, _, result = _setup()
+  target = _CountingT5(target0.config)
+  _RecordingDrafter.log.clear()
+  out = decoding.run(decoding.Speculative(gamma=3, drafter=_RecordingDrafter()), target, tp,
+                     enc, draft=result.head, draft_params=result.params, max_decode_len=L)
+  jax.block_until_ready(out.tokens)
+  assert _CountingT5.traces == {"decode": 1, "encode": 1}  # the verify call; one encoding
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  # The target's own teacher-forced final decoder states on [s_0 .. s_{L-1}].
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), tokens[:, :-1]], axis=1)
+  cache = target0.init_cache(tp, target0.encode(tp, enc), L)
+  direct = np.asarray(target0.decode(tp, cache, dec_in).hidden)
+  checked = 0
+  for m, n, hidden in _RecordingDrafter.log:
+    for b in range(N):
+      for i in range(int(n[b]) + 1):  # f_m .. f_{m+n}: states along the committed tokens
+        pos = int(m[b]) + i
+        if pos < lengths[b]:
+          np.testing.assert_allclose(hidden[b, i], direct[b, pos], atol=2e-5, rtol=1e-4)
+          checked += 1
+  assert checked >= int(np.sum(lengths))  # every committed position was seen at least once
+
+
+def test_training_time_test_matches_drafting():
+  """Unroll step 1 = the head's teacher-forced forward; unroll step 2 at query i = the
+  head drafting one token ahead from a cache holding the true pairs 0 .. i."""
+  target, tp, enc, ar_tokens, _, result = _setup()
+  head, hp = result.head, result.params
+  T = 8
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :T - 1]], axis=1)
+  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  embed = lambda x: target.embed(tp, x)
+  step1, step2 = train_eagle.unrolled_predictions(head, hp, encoded, feats, embed, dec_in, 2)
+  forward = head.forward(hp, encoded, feats, embed(np.roll(dec_in, -1, axis=1)))
+  np.testing.assert_allclose(step1[:, :T - 1], forward[:, :T - 1], atol=1e-5)
+  step = jax.jit(head.step)
+  for i in range(T - 2):
+    cache = head.init_cache(hp, encoded, T)
+    _, cache = step(hp, cache, feats[:, :i + 1], embed(dec_in[:, 1:i + 2]))
+    pred, _ = step(hp, cache, step1[:, i:i + 1], embed(dec_in[:, i + 2:i + 3]))
+    np.testing.assert_allclose(step2[:, i], pred[:, 0], atol=1e-5)
+
+
+def test_training_resumes_from_its_workdir(tmp_path):
+  target, tp, *_ = _setup()
+  split = train_data.TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=2, num_steps=2, input_length=4,
+                                     target_length=4, workdir=str(tmp_path / "w"),
+                                     export_path=str(tmp_path / "head"))
+  kw = dict(train_split=split, eval_split=split, target=target, target_params=tp)
+  train_eagle.train_head(cfg, report=lambda s: None, **kw)
+  messages = []
+  import dataclasses
+  more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "head3"))
+  resumed = train_eagle.train_head(more, report=messages.append, **kw)
+  assert any("resumed from step 2" in m for m in messages)
+  head, params = eagle.load(str(tmp_path / "head3"))
+  assert head == resumed.head
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(resumed.params))
+
+
+def test_checkpoint_round_trip(tmp_path):
+  *_, result = _setup()
+  eagle.save(str(tmp_path / "h"), result.head, result.params, step=7)
+  head, params = eagle.load(str(tmp_path / "h"))
+  assert head == result.head
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(result.params))
+  half, hparams = eagle.load(str(tmp_path / "h"), dtype="bfloat16")
+  assert half.config.dtype == jnp.bfloat16 and hparams["fc"]["kernel"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="not an EAGLE head"):
+    eagle.load("demo_models/ende_target")
+  with pytest.raises(ValueError, match="do not match"):
+    head.check_params({"fc": {"kernel": np.zeros((2, 2))}})
+
+
+def test_mismatched_head_is_refused():
+  target, tp, enc, *_ = _setup()
+  wide = eagle.EagleHead(eagle.EagleConfig(vocab_size=V, d_model=48))
+  with pytest.raises(ValueError, match="does not match the target"):
+    decoding.run(_speculative(), target, tp, enc, draft=wide,
+                 draft_params=wide.init(jax.random.PRNGKey(0)), max_decode_len=L)
+  other_vocab = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, vocab_size=V + 1))
+  with pytest.raises(ValueError, match="vocabularies differ"):
+    decoding.run(_speculative(), target, tp, enc, draft=other_vocab,
+                 draft_params=other_vocab.init(jax.random.PRNGKey(0)), max_decode_len=L)
+  with pytest.raises(ValueError, match="needs an EagleHead"):
+    decoding.run(_speculative(), target, tp, enc, draft=target, draft_params=tp,
+                 max_decode_len=L)
+  with pytest.raises(ValueError, match="needs a T5 target"):
+    wide.check_target(ex.markov_models()["target"][0])
+
+
+def test_empty_proposal_is_a_plain_step():
+  """Proposal.length 0: nothing accepted or decided; the extra token comes from p at the root."""
+  B, K, Vs = 2, 3, 5
+  p = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (B, K + 1, Vs)), axis=-1)
+  proposal = Proposal.chain(jnp.argmax(p[:, 1:], -1).astype(jnp.int32),
+                            length=jnp.zeros((B,), jnp.int32))
+  v = greedy_verdict(jnp.argmax(p, -1).astype(jnp.int32), proposal)
+  assert np.all(np.asarray(v.accepted) == 0) and np.all(np.asarray(v.decided) == 0)
+  np.testing.assert_array_equal(v.extra, jnp.argmax(p[:, 0], -1))
+  q = jax.nn.one_hot(proposal.tokens, Vs)
+  keys = jax.random.split(jax.random.PRNGKey(1), B)
+  verify = jax.jit(lambda ck: decoding.ChainVerifier().verify(
+      p, Proposal.chain(proposal.tokens, q, proposal.length), keys, ck,
+      sampling=decoding.Sampling(temperature=1.0)))
+  draws = []
+  for seed in range(400):
+    v = verify(jax.random.split(jax.random.PRNGKey(seed), B))
+    assert np.all(np.asarray(v.accepted) == 0) and np.all(np.asarray(v.decided) == 0)
+    draws.append(np.asarray(v.extra))
+  freq = np.stack([np.bincount(np.asarray(draws)[:, b], minlength=Vs) / 400 for b in range(B)])
+  np.testing.assert_allclose(freq, np.asarray(p[:, 0]), atol=0.08)
+
+
+def test_eagle_is_registered_and_gin_configurable():
+  import gin
+
+  from spec_decode import main
+  assert decoding.registry.get("drafter", "eagle") == EagleDrafter()
+  main.register_gin()
+  gin.clear_config()
+  gin.parse_config("eagle/Speculative.drafter = @EagleDrafter()\neagle/Speculative.gamma = 5")
+  with gin.config_scope("eagle"):
+    algo = gin.get_configurable(decoding.Speculative)()
+  gin.clear_config()
+  assert algo == _speculative(gamma=5)
+
+
+def test_drafting_decoder_is_the_drafting_step(tmp_path):
+  """The Decoder view used to time a head (c): one call of T tokens equals T calls of
+  one, and its logits are the target's LM head on the head's predictions."""
+  from spec_decode import model_specs
+  target, tp, enc, ar_tokens, _, result = _setup()
+  eagle.save(str(tmp_path / "h"), result.head, result.params)
+  head, hp = model_specs.load(model_specs.ModelSpec(kind="eagle", checkpoint=str(tmp_path / "h")),
+                              model_specs.LoadContext("draft", vocab_size=V))
+  dec, params = head.drafting_decoder(target, tp, hp)
+  cache = dec.init_cache(params, dec.encode(params, enc), L)
+  x = ar_tokens[:, :4]
+  whole = dec.decode(params, cache, x)
+  for t in range(4):
+    out = dec.decode(params, cache, x[:, t:t + 1])
+    np.testing.assert_allclose(out.logits[:, 0], whole.logits[:, t], atol=1e-5)
+    cache = out.cache
+  np.testing.assert_allclose(whole.logits, target.logits_from_hidden(tp, whole.hidden), atol=1e-5)
+  assert int(whole.cache.lengths[0]) == 4 and int(whole.cache.rewind(jnp.zeros(N, jnp.int32))
+                                                  .lengths[0]) == 0
