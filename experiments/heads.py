@@ -7,8 +7,10 @@ For each task and temperature, in one process and on the same examples
 (batch 1, up to the task's output length), each decoder decodes every example
 once per round, rounds interleaved (median over rounds): the autoregressive
 baseline, the chain with the small draft model (`Speculative(gamma)`, model
-drafter) and the chain with the task's shipped Medusa heads
-(`Speculative(gamma, drafter=MedusaDrafter())`, demo_models/<task>_medusa).
+drafter), the chain from the task's shipped EAGLE head
+(`Speculative(gamma, drafter=EagleDrafter())`, demo_models/<task>_eagle) and
+from its Medusa heads (`Speculative(gamma, drafter=MedusaDrafter())`,
+demo_models/<task>_medusa).
 Per decoder: alpha (sum min(p, q) / decisions), tokens per target call, c
 (the draft's work per proposed token over one target step, each timed as the
 marginal cost of one more call in a jitted loop), the speedup Theorem 3.8
@@ -56,14 +58,18 @@ def _loop_seconds(fn, arg, steps: int, repeats: int) -> float:
   return max(statistics.median(diffs), 1e-9)
 
 
-def _costs(target, tparams, draft, dparams, heads, hparams, enc, decode_len: int,
-           repeats: int) -> dict[str, float]:
-  """T_p, the draft model's step and the heads' proposal (all K heads), marginal seconds."""
+def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params, enc,
+           decode_len: int, repeats: int) -> dict[str, float]:
+  """T_p, the draft model's step, the EAGLE head's drafting step and the Medusa heads'
+  proposal (all K heads), marginal seconds."""
   import jax.numpy as jnp
   from spec_decode import timing
+  from spec_decode.heads import eagle
   kw = dict(cache_length=decode_len + 8, position=decode_len // 2, repeats=repeats)
   t_p = timing.step_time(target, tparams, enc, **kw)
   t_q = timing.step_time(draft, dparams, enc, **kw)
+  t_eagle = timing.step_time(eagle.DraftingDecoder(eagle_head, target),
+                             {"head": eagle_params, "target": tparams}, enc, **kw)
   hidden = jnp.zeros((enc.shape[0], target.config.emb_dim), jnp.float32)
 
   def propose(h):
@@ -71,19 +77,21 @@ def _costs(target, tparams, draft, dparams, heads, hparams, enc, decode_len: int
     return jnp.mean(logits, axis=(1, 2))[:, None]  # depends on every head's logits
 
   t_heads = _loop_seconds(propose, hidden, steps=8, repeats=repeats)
-  return {"target_step": t_p, "draft_step": t_q, "heads_proposal": t_heads}
+  return {"target_step": t_p, "draft_step": t_q, "eagle_step": t_eagle,
+          "heads_proposal": t_heads}
 
 
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
   from spec_decode import data, decoding, metrics, theory
-  from spec_decode.heads import medusa
+  from spec_decode.heads import eagle, medusa
   from spec_decode.model_specs import LoadContext, ModelSpec, load
   task_name, input_length, decode_len = setups.DEMO_TASKS[task]
   demo = lambda name: ModelSpec(checkpoint=os.path.join(setups.DEMO_DIR, name), dtype="float32")
   target, tparams = load(demo(f"{task}_target"), LoadContext("target"))
   draft, dparams = load(demo(f"{task}_small"), LoadContext("draft"))
   heads, hparams = medusa.load(os.path.join(setups.DEMO_DIR, f"{task}_medusa"))
+  eagle_head, eagle_params = eagle.load(os.path.join(setups.DEMO_DIR, f"{task}_eagle"))
   gamma = min(args.gamma, heads.num_heads)
   examples = data.load_examples(data.get_task(task_name), split=args.split,
                                 num_examples=args.num_examples,
@@ -94,6 +102,9 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
       "autoregressive": (decoding.Autoregressive(), None, None),
       f"small draft (gamma {args.gamma})": (decoding.Speculative(gamma=args.gamma), draft,
                                             dparams),
+      f"EAGLE head (gamma {args.gamma})": (
+          decoding.Speculative(gamma=args.gamma, drafter=decoding.EagleDrafter()), eagle_head,
+          eagle_params),
       f"Medusa heads (gamma {gamma})": (
           decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), heads, hparams)}
 
@@ -113,8 +124,8 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
       t0 = time.perf_counter()
       last[n] = [decode(algo, d, dp, enc, i) for i, enc in enumerate(encs)]
       seconds[n].append(time.perf_counter() - t0)
-  costs = _costs(target, tparams, draft, dparams, heads, hparams, encs[0], decode_len,
-                 args.timing_repeats)
+  costs = _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
+                 encs[0], decode_len, args.timing_repeats)
   base_tokens = [tuple(np.asarray(r.tokens)[0, :int(r.lengths[0])]) for r in
                  last["autoregressive"]]
   base_s = statistics.median(seconds["autoregressive"])
@@ -134,6 +145,8 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
                                      decisions=total("decisions"))
       if "Medusa" in n:  # one proposal of all heads per target call, spread over gamma tokens
         c = costs["heads_proposal"] / algo.gamma / costs["target_step"]
+      elif "EAGLE" in n:
+        c = costs["eagle_step"] / costs["target_step"]
       else:
         c = costs["draft_step"] / costs["target_step"]
       row.update(alpha=alpha, c=c, gamma=algo.gamma,
@@ -187,12 +200,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   _common.finish_meta(meta)
   notes = [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
            "interleaved rounds (median); speedup = baseline seconds / decoder seconds.",
-           "c: the small draft's step, or the Medusa proposal (all heads, one call) divided by "
-           "gamma, over one target step; marginal costs in jitted loops.",
+           "c: the small draft's step, the EAGLE head's drafting step, or the Medusa proposal "
+           "(all heads, one call) divided by gamma, over one target step; marginal costs in "
+           "jitted loops. EAGLE's first call of each example proposes nothing (no target "
+           "feature yet) and its commit feeds the verified positions through the head, which "
+           "c does not count.",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "
            "and c (it assumes a verify call costs one target step)."]
   paths = _common.write_outputs(args.results_dir, "heads",
-                                title="Draft heads (Medusa) against the small draft model",
+                                title="Draft heads (EAGLE, Medusa) against the small draft model",
                                 columns=_columns(), rows=rows, meta=meta, notes=notes)
   print(open(paths["md"], encoding="utf-8").read())
   return paths
