@@ -30,6 +30,7 @@ setuptools.setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",
             "scipy",
             "torch==2.13.0",
             "transformers",

@@ -221,6 +221,16 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
   assert "measured speedup" in stdout and "X: autoregressive / speculative" in stdout
   assert "was chosen by theory.optimal_gamma" in stdout and "identical outputs" in stdout
   assert max(len(line) for line in stdout.splitlines()) < 300
+  # what it wrote: the demo EnDe pair on its task, greedy outputs equal to the baseline's
+  with open(os.path.join(out, "results.json")) as f:
+    summary = json.load(f)
+  assert summary["experiment"]["task"] == "synthetic_ende"
+  assert summary["experiment"]["target"]["checkpoint"] == "demo_models/ende_target"
+  assert summary["identical_fraction"] == 1.0 and summary["completed"] == 2
+  assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
+  with open(os.path.join(out, "table_row.md")) as f:
+    assert summary["table_row"] in f.read()
+  assert summary["table_row"].startswith("| EnDe (synthetic) | demo small")
 
 
 @pytest.mark.parametrize("module,args,match", [

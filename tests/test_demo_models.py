@@ -114,20 +114,3 @@ def test_small_draft_alpha_at_temperature_zero(demo):
   assert alpha > ALPHA_THRESHOLD[task], alpha
   # Greedy speculative output is the target's greedy output (rows are batch-independent).
   np.testing.assert_array_equal(r.tokens, np.asarray(greedy.tokens)[:32])
-
-
-@pytest.mark.slow
-def test_default_main_job_shortened(tmp_path, monkeypatch):
-  """`python -m spec_decode.main` with no --gin_file, on 4 examples: writes its row."""
-  from spec_decode import main
-  monkeypatch.chdir(ROOT)  # the demo gin files name checkpoints relative to the repository
-  out = str(tmp_path / "default")
-  summary = main.run([], ["NUM_EXAMPLES = 4", "ExperimentConfig.step_timing_repeats = 2"], out,
-                     show_progress=False)
-  assert summary["experiment"]["task"] == "synthetic_ende"
-  assert summary["experiment"]["target"]["checkpoint"] == "demo_models/ende_target"
-  assert summary["identical_fraction"] == 1.0
-  assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
-  with open(os.path.join(out, "table_row.md")) as f:
-    assert summary["table_row"] in f.read()
-  assert summary["table_row"].startswith("| EnDe (synthetic) | demo small")

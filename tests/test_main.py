@@ -296,47 +296,74 @@ def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
   assert _tokens_by_index(out) == {i: reference[i] for i in range(2)}
 
 
-def test_two_processes_write_what_one_process_writes(tmp_path):
-  """main over 2 local processes (gloo on 127.0.0.1, 2 CPU devices each, data=2,model=2 mesh):
-  each feeds its half of every batch, process 0 gathers and writes, and the predictions
-  equal a one-process run's."""
+def _free_port() -> int:
   import socket
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-  flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=4", "--gin.BATCH_SIZE=2",
-           "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.TEMPERATURE=1.0",
-           "--gin.ExperimentConfig.mesh='data=2,model=2'"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "spec_decode.main", f"--output_dir={multi}", *flags,
-       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+    return sock.getsockname()[1]
+
+
+def _launch(flags, env, *, processes: int):
+  """spec_decode.main in `processes` local processes (gloo on 127.0.0.1), or one process."""
+  base = [sys.executable, "-m", "spec_decode.main", *flags]
+  if processes == 1:
+    return [subprocess.Popen(base, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)]
+  port = _free_port()
+  return [subprocess.Popen(
+      base + [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+              f"--process_id={i}"],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  env1 = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  procs.append(subprocess.Popen(
-      [sys.executable, "-m", "spec_decode.main", f"--output_dir={single}", *flags],
-      cwd=ROOT, env=env1, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  logs = []
+      for i in range(processes)]
+
+
+def _wait(procs, what):
   try:
-    for p in procs:
-      logs.append(p.communicate(timeout=400)[0])
+    logs = [p.communicate(timeout=400)[0] for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
   for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+    assert p.returncode == 0, (what, log[-3000:])
+  return logs
+
+
+def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_gamma(tmp_path):
+  """main over 2 local processes (gloo on 127.0.0.1, 2 CPU devices each, data=2,model=2 mesh)
+  with GAMMA = None: the warm-up decodes run collectively, each process feeds its half of
+  every batch, process 0 gathers and writes, and the predictions equal a one-process run's
+  at the chosen gamma. A multi-process rerun of the finished directory reuses process 0's
+  recorded choice on every process (before that fix only process 0 read gamma.json while
+  the others started the collective warm-up decodes, and the run hung)."""
+  flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=4", "--gin.BATCH_SIZE=2",
+           "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.TEMPERATURE=1.0",
+           "--gin.ExperimentConfig.gamma_warmup_examples=2",
+           "--gin.ExperimentConfig.mesh='data=2,model=2'"]
+  fast = "--xla_backend_optimization_level=0"  # as conftest.py: compile time rules here
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {fast}")
+  multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+  logs = _wait(_launch(flags + ["--gin.GAMMA=None", f"--output_dir={multi}"], env,
+                       processes=2), "multi")
+  assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
+  with open(os.path.join(multi, experiment.GAMMA_FILE)) as f:
+    gamma = json.load(f)["gamma"]
+  env1 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {fast}")
+  procs = _launch(flags + ["--gin.GAMMA=None", f"--output_dir={multi}"], env, processes=2)
+  procs += _launch(flags + [f"--gin.GAMMA={gamma}", f"--output_dir={single}"], env1,
+                   processes=1)
+  _wait(procs, "resume and single")
+  with open(os.path.join(multi, experiment.GAMMA_FILE)) as f:
+    assert json.load(f)["gamma"] == gamma
   got, want = _rows(multi), _rows(single)
   assert [r["index"] for r in got] == [r["index"] for r in want] == [0, 1, 2, 3]
   for g, w in zip(got, want):
     assert g["decoders"].keys() == w["decoders"].keys() == {"autoregressive", "speculative"}
+    assert len(g["decoders"]["speculative"]["stats"]["decided_at"]) == gamma
     for name in g["decoders"]:
       for k in ("tokens", "stats"):
         assert g["decoders"][name][k] == w["decoders"][name][k], (name, k)
-  assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
 
 
 def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
@@ -397,36 +424,3 @@ def test_baseline_only_experiment_has_no_cost_model(tmp_path):
   assert again["speedup_predicted"] is None and "c" not in summary["timing"]
 
 
-def test_two_processes_resume_with_automatic_gamma(tmp_path):
-  """A multi-process rerun with GAMMA = None reuses process 0's recorded choice on every
-  process (before the fix only process 0 read gamma.json while the others started the
-  collective warm-up decodes, and the run hung)."""
-  import socket
-  out = str(tmp_path / "auto_multi")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=2", "--gin.BATCH_SIZE=2",
-           "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.GAMMA=None",
-           "--gin.ExperimentConfig.gamma_warmup_examples=2",
-           "--gin.ExperimentConfig.mesh='data=2,model=2'", f"--output_dir={out}"]
-  for attempt in range(2):  # the second run resumes the finished directory
-    with socket.socket() as sock:
-      sock.bind(("127.0.0.1", 0))
-      port = sock.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "spec_decode.main", *flags,
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    try:
-      logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-    for p, log in zip(procs, logs):
-      assert p.returncode == 0, (attempt, log[-3000:])
-  with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
-    gamma = json.load(f)["gamma"]
-  assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == gamma
-             for r in _rows(out))
