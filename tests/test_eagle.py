@@ -290,23 +290,12 @@ def test_drafting_decoder_is_the_drafting_step(tmp_path):
 def test_demo_head_config_and_shipped_head(task):
   import os
 
-  import gin
-
-  from spec_decode import checkpoints, main
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  gin.clear_config()
-  main.register_gin()
-  cwd = os.getcwd()
-  os.chdir(root)
-  try:
-    gin.parse_config_file(f"configs/demo/{task}_eagle.gin")
-    cfg = gin.get_configurable(train_eagle.EagleTrainConfig)()
-  finally:
-    os.chdir(cwd)
-    gin.clear_config()
+  from gin_files import ROOT, configured
+  from spec_decode import checkpoints
+  cfg = configured(f"configs/demo/{task}_eagle.gin", train_eagle.EagleTrainConfig)
   assert cfg.export_path == f"demo_models/{task}_eagle"
   assert cfg.target_checkpoint == f"demo_models/{task}_target"
-  head, params = eagle.load(os.path.join(root, cfg.export_path))
+  head, params = eagle.load(os.path.join(ROOT, cfg.export_path))
   head.check_params(params)
-  tcfg, _ = checkpoints.load(os.path.join(root, cfg.target_checkpoint), dtype="float32")
+  tcfg, _ = checkpoints.load(os.path.join(ROOT, cfg.target_checkpoint), dtype="float32")
   head.check_target(t5.T5(tcfg))

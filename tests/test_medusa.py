@@ -169,20 +169,9 @@ def test_training_lowers_the_loss_and_raises_agreement(tmp_path):
 
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_heads_config_and_shipped_heads(task):
-  import gin
-
-  from spec_decode import main
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  gin.clear_config()
-  main.register_gin()
-  cwd = os.getcwd()
-  os.chdir(root)
-  try:
-    gin.parse_config_file(f"configs/demo/{task}_medusa.gin")
-    cfg = gin.get_configurable(medusa.TrainConfig)()
-  finally:
-    os.chdir(cwd)
-    gin.clear_config()
+  from gin_files import ROOT as root
+  from gin_files import configured
+  cfg = configured(f"configs/demo/{task}_medusa.gin", medusa.TrainConfig)
   assert cfg.export_path == f"demo_models/{task}_medusa"
   assert cfg.target_checkpoint == f"demo_models/{task}_target"
   heads, params = medusa.load(os.path.join(root, cfg.export_path))

@@ -135,25 +135,13 @@ def test_demo_training_configs_parse_and_scale_like_the_paper():
   import glob
   import os
 
-  import gin
-
-  from spec_decode import main
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  from gin_files import ROOT, configured
   sizes = {}
-  for path in sorted(glob.glob(os.path.join(root, "configs", "demo", "*.gin"))):
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "demo", "*.gin"))):
     name = os.path.basename(path)[:-4]
     if name == "common" or name.endswith(("_experiment", "_medusa", "_eagle")):
       continue  # experiments; draft heads (tests/test_medusa.py, test_eagle.py)
-    gin.clear_config()
-    main.register_gin()
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-      gin.parse_config_file(path)
-      cfg = gin.get_configurable("TrainConfig")()
-    finally:
-      os.chdir(cwd)
-      gin.clear_config()
+    cfg = configured(path, "TrainConfig")
     assert cfg.export_path == f"demo_models/{name}", name
     sizes[name] = t5.T5(cfg.model_config()).num_params()
   for task in ("ende", "cnndm"):
