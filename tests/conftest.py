@@ -16,8 +16,9 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 simulated devices; LLVM's backend optimisation off: the suite is bound by XLA:CPU
 # compile time (hundreds of decoding loops, most run a few times), which this cuts by
-# about a quarter. HLO passes are unchanged and floats keep IEEE semantics; a test's
-# programs all compile alike, and subprocesses inherit the setting.
+# about a quarter. HLO passes are unchanged; results may differ from an optimised build
+# in the last bits (e.g. where LLVM would fuse a multiply-add), so every program a test
+# compares compiles alike: subprocesses inherit the setting.
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
