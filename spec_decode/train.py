@@ -258,6 +258,56 @@ class TrainResult:
   eval: Mapping[str, float]
 
 
+def resume(state: TrainState, cfg, report: Callable[[str], None]):
+  """(state, Orbax manager) of cfg.workdir: the latest saved state there, if any, else
+  `state`; (state, None) without a workdir."""
+  manager = _manager(cfg.workdir, cfg) if cfg.workdir else None
+  if manager is not None:
+    state = _restore_state(manager, state)
+    if int(state.step):
+      report(f"resumed from step {int(state.step)} in {cfg.workdir}")
+  return state, manager
+
+
+def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eval_split,
+              frozen_params, manager, report: Callable[[str], None],
+              describe: Callable[[dict], str]):
+  """The step loop every resumable trainer shares (this module's and the EAGLE head's).
+
+  From state.step to cfg.num_steps: batch `step` of train_split (cfg.batch_size,
+  input/target lengths, seed), train_step(state, batch, frozen_params); every
+  cfg.log_every steps a line `step k/N <describe(metrics)> (rate)`, every cfg.eval_every
+  (and at the end) an evaluation on eval_split, every cfg.save_every (and at the end) an
+  Orbax save to `manager` (None: no saves). Returns (state, history, last eval).
+  """
+  batch_kw = dict(input_length=cfg.input_length, target_length=cfg.target_length)
+  eval_now = lambda: evaluate(eval_step, state.params, train_data.eval_batches(
+      eval_split, batch_size=cfg.batch_size, max_examples=cfg.eval_examples, **batch_kw),
+      frozen_params)
+  history, last_eval = [], {}
+  t0, start = time.time(), int(state.step)
+  while int(state.step) < cfg.num_steps:
+    step = int(state.step)
+    batch = train_data.batch_at(train_split, step, batch_size=cfg.batch_size, seed=cfg.seed,
+                                **batch_kw)
+    state, metrics = train_step(state, batch, frozen_params)
+    done = step + 1
+    if done % cfg.log_every == 0 or done == cfg.num_steps:
+      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      m["step"] = done
+      history.append(m)
+      rate = (done - start) / max(time.time() - t0, 1e-9)
+      report(f"step {done}/{cfg.num_steps} {describe(m)} ({rate:.2f} steps/s)")
+    if done % cfg.eval_every == 0 or done == cfg.num_steps:
+      last_eval = eval_now()
+      report(f"eval at step {done}: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
+    if manager is not None and (done % cfg.save_every == 0 or done == cfg.num_steps):
+      _save_state(manager, state)
+  if not last_eval:
+    last_eval = eval_now()
+  return state, history, last_eval
+
+
 def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
           train_split: train_data.TokenizedSplit | None = None,
           eval_split: train_data.TokenizedSplit | None = None) -> TrainResult:
@@ -301,41 +351,15 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
     _, params = _load_params(cfg.init_checkpoint, model_cfg.dtype)
   optimizer = make_optimizer(cfg)
   state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
-  manager = _manager(cfg.workdir, cfg) if cfg.workdir else None
-  if manager is not None:
-    state = _restore_state(manager, state)
-    if int(state.step):
-      report(f"resumed from step {int(state.step)} in {cfg.workdir}")
+  state, manager = resume(state, cfg, report)
 
   train_step = make_train_step(model, optimizer, cfg, teacher)
   eval_step = make_eval_step(model, cfg, teacher)
-  batch_kw = dict(input_length=cfg.input_length, target_length=cfg.target_length)
-  eval_now = lambda: evaluate(eval_step, state.params, train_data.eval_batches(
-      eval_split, batch_size=cfg.batch_size, max_examples=cfg.eval_examples, **batch_kw),
-      teacher_params)
-  history, last_eval = [], {}
-  t0, start = time.time(), int(state.step)
-  while int(state.step) < cfg.num_steps:
-    step = int(state.step)
-    batch = train_data.batch_at(train_split, step, batch_size=cfg.batch_size, seed=cfg.seed,
-                                **batch_kw)
-    state, metrics = train_step(state, batch, teacher_params)
-    done = step + 1
-    if done % cfg.log_every == 0 or done == cfg.num_steps:
-      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      m["step"] = done
-      history.append(m)
-      rate = (done - start) / max(time.time() - t0, 1e-9)
-      report(f"step {done}/{cfg.num_steps} loss {m['loss']:.4f} acc {m['accuracy']:.3f}"
-             + (f" agree {m['teacher_agreement']:.3f}" if "teacher_agreement" in m else "")
-             + f" ({rate:.2f} steps/s)")
-    if done % cfg.eval_every == 0 or done == cfg.num_steps:
-      last_eval = eval_now()
-      report(f"eval at step {done}: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
-    if manager is not None and (done % cfg.save_every == 0 or done == cfg.num_steps):
-      _save_state(manager, state)
-  if not last_eval:
-    last_eval = eval_now()
+  state, history, last_eval = run_steps(
+      state, cfg, train_step=train_step, eval_step=eval_step, train_split=train_split,
+      eval_split=eval_split, frozen_params=teacher_params, manager=manager, report=report,
+      describe=lambda m: f"loss {m['loss']:.4f} acc {m['accuracy']:.3f}" + (
+          f" agree {m['teacher_agreement']:.3f}" if "teacher_agreement" in m else ""))
   if cfg.export_path:
     from spec_decode import checkpoints
     out = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(jnp.dtype(cfg.export_dtype)),

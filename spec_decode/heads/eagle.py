@@ -90,7 +90,7 @@ class EagleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleHead:
+class EagleHead(base.ParamSpecs):
   """The head: pure functions of (params, inputs); hashable, so jit-static."""
   config: EagleConfig
 
@@ -120,22 +120,6 @@ class EagleHead:
     for name in ("feature_norm", "token_norm", "final_norm"):
       specs[f"{name}/scale"] = ((D,), ("embed",), init.ones)
     return specs
-
-  def init(self, rng: jax.Array) -> dict:
-    specs = self._param_specs()
-    keys = jax.random.split(rng, len(specs))
-    flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
-            for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
-    return tree_util.unflatten(flat)
-
-  def param_shapes(self) -> dict:
-    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
-
-  def logical_axes(self) -> dict:
-    return tree_util.unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
-
-  def num_params(self) -> int:
-    return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
 
   def check_params(self, params) -> None:
     """Raises ValueError unless `params` has this head's names and shapes."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
 from typing import Any, Callable, Mapping, Optional
@@ -245,39 +244,15 @@ def train_head(cfg: EagleTrainConfig, *, report: Callable[[str], None] = print,
   params = head.init(jax.random.PRNGKey(cfg.seed))
   optimizer = train.make_optimizer(cfg)
   state = train.TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
-  manager = train._manager(cfg.workdir, cfg) if cfg.workdir else None
-  if manager is not None:
-    state = train._restore_state(manager, state)
-    if int(state.step):
-      report(f"resumed from step {int(state.step)} in {cfg.workdir}")
+  state, manager = train.resume(state, cfg, report)
   train_step, eval_step = make_steps(head, target, optimizer, cfg)
-  batch_kw = dict(input_length=cfg.input_length, target_length=cfg.target_length)
-  eval_now = lambda: train.evaluate(eval_step, state.params, train_data.eval_batches(
-      eval_split, batch_size=cfg.batch_size, max_examples=cfg.eval_examples, **batch_kw),
-      target_params)
-  history, last_eval = [], {}
-  t0, start = time.time(), int(state.step)
-  while int(state.step) < cfg.num_steps:
-    step = int(state.step)
-    batch = train_data.batch_at(train_split, step, batch_size=cfg.batch_size, seed=cfg.seed,
-                                **batch_kw)
-    state, metrics = train_step(state, batch, target_params)
-    done = step + 1
-    if done % cfg.log_every == 0 or done == cfg.num_steps:
-      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      m["step"] = done
-      history.append(m)
-      rate = (done - start) / max(time.time() - t0, 1e-9)
-      report(f"step {done}/{cfg.num_steps} loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} "
-             f"agree_1 {m['agree_1']:.3f} agree_{cfg.unroll} {m[f'agree_{cfg.unroll}']:.3f} "
-             f"({rate:.2f} steps/s)")
-    if done % cfg.eval_every == 0 or done == cfg.num_steps:
-      last_eval = eval_now()
-      report(f"eval at step {done}: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
-    if manager is not None and (done % cfg.save_every == 0 or done == cfg.num_steps):
-      train._save_state(manager, state)
-  if not last_eval:
-    last_eval = eval_now()
+  t0 = time.time()
+  state, history, last_eval = train.run_steps(
+      state, cfg, train_step=train_step, eval_step=eval_step, train_split=train_split,
+      eval_split=eval_split, frozen_params=target_params, manager=manager, report=report,
+      describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
+                          f"{m['agree_1']:.3f} agree_{cfg.unroll} "
+                          f"{m[f'agree_{cfg.unroll}']:.3f}"))
   seconds = time.time() - t0
   if cfg.export_path:
     eagle.save(cfg.export_path, head, state.params, step=int(state.step), dtype=cfg.export_dtype)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode import tree_util
+
 PAD_ID = 0
 BOS_ID = 0
 EOS_ID = 1
@@ -198,3 +200,34 @@ class Decoder(Protocol):
   def decode(self, params: Any, cache: Cache, tokens: jax.Array, *, positions=None,
              tree_mask=None) -> DecodeOutput:
     """Appends tokens [B, T] at each row's length (see the module doc)."""
+
+
+class ParamSpecs:
+  """Parameters described by `_param_specs()`: {"a/b/c": (shape, logical axes, initializer)}.
+
+  Gives the parameter tree's random init (in `config.dtype`), its shapes without
+  allocating, its logical axis names and its parameter count, the same way for every
+  model that describes its parameters so (T5, the EAGLE head).
+  """
+
+  def _param_specs(self) -> dict:
+    raise NotImplementedError
+
+  def init(self, rng: jax.Array) -> dict:
+    """Random parameters from each spec's initializer, in `config.dtype`."""
+    specs = self._param_specs()
+    keys = jax.random.split(rng, len(specs))
+    flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
+            for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
+    return tree_util.unflatten(flat)
+
+  def param_shapes(self) -> dict:
+    """Parameter tree of jax.ShapeDtypeStruct, without allocating anything."""
+    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+
+  def logical_axes(self) -> dict:
+    """Same tree as the parameters, each leaf a tuple of logical axis names."""
+    return tree_util.unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
+
+  def num_params(self) -> int:
+    return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())

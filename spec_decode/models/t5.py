@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import tree_util
 from spec_decode.models import base
 
 Params = Mapping[str, Any]
@@ -240,7 +239,7 @@ def _write_rows(cache_BLNH, new_BTNH, offsets_B):
 
 
 @dataclasses.dataclass(frozen=True)
-class T5:
+class T5(base.ParamSpecs):
   """A T5 model: pure functions of (params, inputs). Hashable, so jit-static."""
   config: T5Config
 
@@ -298,24 +297,6 @@ class T5:
       specs["decoder/logits_dense/kernel"] = ((E, V), ("embed", "vocab"), mlp_init)
     return specs
 
-  def init(self, rng: jax.Array) -> dict:
-    """Random parameters with T5X's initializers, in `config.dtype`."""
-    specs = self._param_specs()
-    keys = jax.random.split(rng, len(specs))
-    flat = {path: fn(k, shape, jnp.float32).astype(self.config.dtype)
-            for k, (path, (shape, _, fn)) in zip(keys, sorted(specs.items()))}
-    return tree_util.unflatten(flat)
-
-  def param_shapes(self) -> dict:
-    """Parameter tree of jax.ShapeDtypeStruct, without allocating anything."""
-    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
-
-  def logical_axes(self) -> dict:
-    """Same tree as the parameters, each leaf a tuple of T5X logical axis names."""
-    return tree_util.unflatten({p: axes for p, (_, axes, _) in self._param_specs().items()})
-
-  def num_params(self) -> int:
-    return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
 
   # ---------------------------------------------------------------- building blocks
   def embed(self, params, tokens):
