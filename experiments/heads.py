@@ -8,9 +8,10 @@ For each task and temperature, in one process and on the same examples
 once per round, rounds interleaved (median over rounds): the autoregressive
 baseline, the chain with the small draft model (`Speculative(gamma)`, model
 drafter), the chain from the task's shipped EAGLE head
-(`Speculative(gamma, drafter=EagleDrafter())`, demo_models/<task>_eagle) and
-from its Medusa heads (`Speculative(gamma, drafter=MedusaDrafter())`,
-demo_models/<task>_medusa).
+(`Speculative(gamma, drafter=EagleDrafter())`, demo_models/<task>_eagle), from
+its Medusa heads (`Speculative(gamma, drafter=MedusaDrafter())`,
+demo_models/<task>_medusa) and from its DeepSeek-V3-style MTP modules
+(`Speculative(gamma, drafter=MtpDrafter())`, demo_models/<task>_mtp).
 Per decoder: alpha (sum min(p, q) / decisions), tokens per target call, c
 (the draft's work per proposed token over one target step, each timed as the
 marginal cost of one more call in a jitted loop), the speedup Theorem 3.8
@@ -35,34 +36,11 @@ from experiments import _common, setups
 from experiments._common import Column, fmt
 
 
-def _loop_seconds(fn, arg, steps: int, repeats: int) -> float:
-  """Marginal seconds of one fn call inside a jitted loop (loops of steps and 2 * steps)."""
-  import jax
-
-  def make(k):
-    def run(x):
-      return jax.lax.fori_loop(0, k, lambda i, c: c + 1e-9 * fn(c), x)
-    return jax.jit(run)
-
-  short, long = make(steps), make(2 * steps)
-  jax.block_until_ready(short(arg))
-  jax.block_until_ready(long(arg))
-  diffs = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(short(arg))
-    t1 = time.perf_counter()
-    jax.block_until_ready(long(arg))
-    t2 = time.perf_counter()
-    diffs.append(((t2 - t1) - (t1 - t0)) / steps)
-  return max(statistics.median(diffs), 1e-9)
-
-
-def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params, enc,
-           decode_len: int, repeats: int) -> dict[str, float]:
-  """T_p, the draft model's step, the EAGLE head's drafting step and the Medusa heads'
-  proposal (all K heads), marginal seconds."""
-  import jax.numpy as jnp
+def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
+           mtp_modules, mtp_params, mtp_gamma, enc, decode_len: int,
+           repeats: int) -> dict[str, float]:
+  """T_p, the draft model's step, the EAGLE head's drafting step, and the Medusa heads'
+  and the MTP modules' cost per proposed token (`token_seconds`), marginal seconds."""
   from spec_decode import timing
   from spec_decode.heads import eagle
   kw = dict(cache_length=decode_len + 8, position=decode_len // 2, repeats=repeats)
@@ -70,21 +48,17 @@ def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_pa
   t_q = timing.step_time(draft, dparams, enc, **kw)
   t_eagle = timing.step_time(eagle.DraftingDecoder(eagle_head, target),
                              {"head": eagle_params, "target": tparams}, enc, **kw)
-  hidden = jnp.zeros((enc.shape[0], target.config.emb_dim), jnp.float32)
-
-  def propose(h):
-    logits = heads.logits(hparams, target, tparams, h)
-    return jnp.mean(logits, axis=(1, 2))[:, None]  # depends on every head's logits
-
-  t_heads = _loop_seconds(propose, hidden, steps=8, repeats=repeats)
   return {"target_step": t_p, "draft_step": t_q, "eagle_step": t_eagle,
-          "heads_proposal": t_heads}
+          "medusa_token": heads.token_seconds(target, tparams, hparams, enc,
+                                              gamma=heads.num_heads, **kw),
+          "mtp_token": mtp_modules.token_seconds(target, tparams, mtp_params, enc,
+                                                 gamma=mtp_gamma, **kw)}
 
 
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
   from spec_decode import data, decoding, metrics, theory
-  from spec_decode.heads import eagle, medusa
+  from spec_decode.heads import eagle, medusa, mtp
   from spec_decode.model_specs import LoadContext, ModelSpec, load
   task_name, input_length, decode_len = setups.DEMO_TASKS[task]
   demo = lambda name: ModelSpec(checkpoint=os.path.join(setups.DEMO_DIR, name), dtype="float32")
@@ -92,7 +66,9 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   draft, dparams = load(demo(f"{task}_small"), LoadContext("draft"))
   heads, hparams = medusa.load(os.path.join(setups.DEMO_DIR, f"{task}_medusa"))
   eagle_head, eagle_params = eagle.load(os.path.join(setups.DEMO_DIR, f"{task}_eagle"))
+  modules, mparams = mtp.load(os.path.join(setups.DEMO_DIR, f"{task}_mtp"))
   gamma = min(args.gamma, heads.num_heads)
+  mtp_gamma = min(args.gamma, modules.num_modules)
   examples = data.load_examples(data.get_task(task_name), split=args.split,
                                 num_examples=args.num_examples,
                                 feature_lengths={"inputs": input_length, "targets": decode_len})
@@ -106,7 +82,10 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
           decoding.Speculative(gamma=args.gamma, drafter=decoding.EagleDrafter()), eagle_head,
           eagle_params),
       f"Medusa heads (gamma {gamma})": (
-          decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), heads, hparams)}
+          decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), heads, hparams),
+      f"MTP modules (gamma {mtp_gamma})": (
+          decoding.Speculative(gamma=mtp_gamma, drafter=decoding.MtpDrafter()), modules,
+          mparams)}
 
   def decode(algo, d, dp, enc, row):
     kw = dict(draft=d, draft_params=dp) if algo.needs_draft else {}
@@ -125,7 +104,7 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
       last[n] = [decode(algo, d, dp, enc, i) for i, enc in enumerate(encs)]
       seconds[n].append(time.perf_counter() - t0)
   costs = _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
-                 encs[0], decode_len, args.timing_repeats)
+                 modules, mparams, mtp_gamma, encs[0], decode_len, args.timing_repeats)
   base_tokens = [tuple(np.asarray(r.tokens)[0, :int(r.lengths[0])]) for r in
                  last["autoregressive"]]
   base_s = statistics.median(seconds["autoregressive"])
@@ -144,9 +123,11 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
       alpha = metrics.alpha_estimate(min_pq_sum=total("min_pq_sum"),
                                      decisions=total("decisions"))
       if "Medusa" in n:  # one proposal of all heads per target call, spread over gamma tokens
-        c = costs["heads_proposal"] / algo.gamma / costs["target_step"]
+        c = costs["medusa_token"] * heads.num_heads / algo.gamma / costs["target_step"]
       elif "EAGLE" in n:
         c = costs["eagle_step"] / costs["target_step"]
+      elif "MTP" in n:  # gamma module calls per proposal, spread over gamma tokens
+        c = costs["mtp_token"] / costs["target_step"]
       else:
         c = costs["draft_step"] / costs["target_step"]
       row.update(alpha=alpha, c=c, gamma=algo.gamma,
@@ -201,14 +182,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   notes = [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
            "interleaved rounds (median); speedup = baseline seconds / decoder seconds.",
            "c: the small draft's step, the EAGLE head's drafting step, or the Medusa proposal "
-           "(all heads, one call) divided by gamma, over one target step; marginal costs in "
-           "jitted loops. EAGLE's first call of each example proposes nothing (no target "
-           "feature yet) and its commit feeds the verified positions through the head, which "
-           "c does not count.",
+           "(all heads, one call) or the MTP proposal (gamma modules, each on a 2 gamma "
+           "window) divided by gamma, over one target step; marginal costs in jitted loops. "
+           "EAGLE's and MTP's first call of each example proposes nothing (no target feature "
+           "yet); EAGLE's commit feeds the verified positions through the head, which c does "
+           "not count (MTP's commit runs no module).",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "
            "and c (it assumes a verify call costs one target step)."]
   paths = _common.write_outputs(args.results_dir, "heads",
-                                title="Draft heads (EAGLE, Medusa) against the small draft model",
+                                title="Draft heads (EAGLE, Medusa, MTP) against the small draft model",
                                 columns=_columns(), rows=rows, meta=meta, notes=notes)
   print(open(paths["md"], encoding="utf-8").read())
   return paths

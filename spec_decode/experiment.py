@@ -391,7 +391,9 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
 
   verify_ratio_by_tokens[n] = T_verify(n) / T_p for every n = K + 1 some decoder
   verifies at once (K its largest proposal); verify_ratio is the primary
-  decoder's (n = gamma + 1). Without a draft only the target step is timed.
+  decoder's (n = gamma + 1). Without a draft only the target step is timed. The draft's
+  step is a draft model's single-token step, an EAGLE head's drafting step, or for heads
+  proposing several tokens per call (Medusa, MTP) their `token_seconds`.
   """
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
@@ -402,19 +404,29 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
   kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh,
             compiler_options=cfg.compiler_options)
   rules = cfg.rules if s.mesh is not None else None
+  primary = cfg.algorithms.get(cfg.primary) if cfg.primary else None
   target_s = timing.step_time(s.target, s.target_params, enc, rules=rules, **kw)
   out: dict[str, Any] = {"target_step_seconds": target_s}
   if s.draft is not None:
     draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
     draft, dparams = s.draft, s.draft_params
-    if hasattr(draft, "drafting_decoder"):  # a feature-level head: its step on the target's
-      draft, dparams = draft.drafting_decoder(s.target, s.target_params, dparams)  # LM head
-    draft_s = timing.step_time(draft, dparams, enc, rules=draft_rules, **kw)
+    if hasattr(draft, "token_seconds"):
+      # Heads proposing several tokens per call (Medusa, MTP): their cost per proposed
+      # token at the primary decoder's gamma.
+      gamma = getattr(primary, "gamma", None) or min(
+          a.gamma for a in cfg.algorithms.values() if hasattr(a, "gamma"))
+      draft_s = draft.token_seconds(s.target, s.target_params, dparams, enc, gamma=gamma,
+                                    cache_length=length, position=cfg.decode_len // 2,
+                                    repeats=repeats)
+    else:
+      if hasattr(draft, "drafting_decoder"):
+        # A feature-level head (EAGLE): its drafting step through the target's LM head.
+        draft, dparams = draft.drafting_decoder(s.target, s.target_params, dparams)
+      draft_s = timing.step_time(draft, dparams, enc, rules=draft_rules, **kw)
     out.update(draft_step_seconds=draft_s, c=draft_s / target_s)
   verify = {n: timing.step_time(s.target, s.target_params, enc, num_tokens=n, rules=rules, **kw)
             for n in sizes}
   out["verify_ratio_by_tokens"] = {str(n): v / target_s for n, v in verify.items()}
-  primary = cfg.algorithms.get(cfg.primary) if cfg.primary else None
   if hasattr(primary, "max_proposal"):
     out["verify_seconds"] = verify[primary.max_proposal + 1]
     out["verify_ratio"] = out["verify_seconds"] / target_s

@@ -33,9 +33,10 @@ def register_gin() -> None:
   gin.external_configurable(model_specs.ModelSpec, "ModelSpec")
   from spec_decode import train
   gin.external_configurable(train.TrainConfig, "TrainConfig")
-  from spec_decode.heads import medusa, train_eagle
+  from spec_decode.heads import medusa, train_eagle, train_mtp
   gin.external_configurable(medusa.TrainConfig, "MedusaTrainConfig")
   gin.external_configurable(train_eagle.EagleTrainConfig, "EagleTrainConfig")
+  gin.external_configurable(train_mtp.MtpTrainConfig, "MtpTrainConfig")
   gin.add_config_file_search_path(REPO_ROOT)
   _registered = True
 

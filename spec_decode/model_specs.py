@@ -28,8 +28,8 @@ from spec_decode.models import t5
 class ModelSpec:
   """A model to load.
 
-  kind: 't5', 'ngram' or 'eagle' (a heads.eagle head checkpoint; decodes with the 'eagle'
-    drafter) or any kind added with `register_kind`.
+  kind: 't5', 'ngram', 'medusa', 'eagle' or 'mtp' (heads.medusa / heads.eagle / heads.mtp
+    checkpoints; each decodes with its own drafter) or any kind added with `register_kind`.
   checkpoint: path of a checkpoint (T5X legacy, T5X Orbax or Hugging Face dir).
   preset: a `T5Config` preset; without a checkpoint the model is randomly
     initialized from `seed`; with one, the loaded shapes must match it.
@@ -239,19 +239,31 @@ def _load_medusa(spec: ModelSpec, context: LoadContext):
   return medusa.load(resolve_checkpoint(spec.checkpoint))
 
 
+def _check_head_spec(spec: ModelSpec, context: LoadContext, kind: str, what: str) -> None:
+  if spec.checkpoint is None or spec.preset is not None or spec.config or spec.options:
+    raise ValueError(f"an {kind} {context.role} is a head checkpoint: give ModelSpec.checkpoint "
+                     "only (no preset, config or options)")
+  if context.mesh is not None:
+    raise ValueError(f"{what} decode unsharded only (no mesh)")
+  check_checkpoint(spec, context.role)
+
+
 def _load_eagle(spec: ModelSpec, context: LoadContext):
   """An EAGLE head (`heads.eagle.save`'s directory); decodes with EagleDrafter only."""
   from spec_decode.heads import eagle
-  if spec.checkpoint is None or spec.preset is not None or spec.config or spec.options:
-    raise ValueError(f"an eagle {context.role} is a head checkpoint: give ModelSpec.checkpoint "
-                     "only (no preset, config or options)")
-  if context.mesh is not None:
-    raise ValueError("EAGLE heads decode unsharded only (no mesh)")
-  check_checkpoint(spec, context.role)
+  _check_head_spec(spec, context, "eagle", "EAGLE heads")
   return eagle.load(resolve_checkpoint(spec.checkpoint), dtype=spec.dtype)
+
+
+def _load_mtp(spec: ModelSpec, context: LoadContext):
+  """MTP modules (`heads.mtp.save`'s directory); decode with MtpDrafter only."""
+  from spec_decode.heads import mtp
+  _check_head_spec(spec, context, "mtp", "MTP modules")
+  return mtp.load(resolve_checkpoint(spec.checkpoint), dtype=spec.dtype)
 
 
 register_kind("t5", _load_t5)
 register_kind("ngram", _load_ngram)
 register_kind("medusa", _load_medusa)
 register_kind("eagle", _load_eagle)
+register_kind("mtp", _load_mtp)

@@ -154,3 +154,27 @@ def _jitted_steps(model, steps: int, mesh, rules, options=()):
     return logits, cache
 
   return jax.jit(_run, donate_argnums=1, compiler_options=dict(options) or None)
+
+
+def loop_seconds(fn, arg, *, steps: int = 8, repeats: int = 10) -> float:
+  """Marginal seconds of one `fn(arg)` call inside a jitted loop: loops of `steps` and
+  2 * steps calls, each call's input depending on the last output (fn must return an
+  array that broadcasts against arg), median over `repeats` differences."""
+
+  def make(k):
+    def run(x):
+      return jax.lax.fori_loop(0, k, lambda i, c: c + 1e-9 * fn(c), x)
+    return jax.jit(run)
+
+  short, long = make(steps), make(2 * steps)
+  jax.block_until_ready(short(arg))
+  jax.block_until_ready(long(arg))
+  diffs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(short(arg))
+    t1 = time.perf_counter()
+    jax.block_until_ready(long(arg))
+    t2 = time.perf_counter()
+    diffs.append(((t2 - t1) - (t1 - t0)) / steps)
+  return max(statistics.median(diffs), 1e-9)

@@ -23,7 +23,7 @@ import pytest
 
 import exactness as ex
 from spec_decode import decoding, train_data
-from spec_decode.decoding.drafters.eagle import EagleDrafter
+from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.decoding.verifiers.chain import greedy_verdict
 from spec_decode.heads import eagle, train_eagle
@@ -299,3 +299,119 @@ def test_demo_head_config_and_shipped_head(task):
   head.check_params(params)
   tcfg, _ = checkpoints.load(os.path.join(ROOT, cfg.target_checkpoint), dtype="float32")
   head.check_target(t5.T5(tcfg))
+
+
+def _tree_speculative(**tree):
+  return decoding.Speculative(gamma=3, drafter=EagleTreeDrafter(**tree),
+                              verifier=decoding.TreeVerifier())
+
+
+def test_tree_step_equals_the_chain_along_each_path():
+  """EagleHead.step on a tree (positions m + depth - 1, ancestor mask): every node's
+  prediction equals a chain step over its own path from the same cache."""
+  target, tp, enc, ar_tokens, _, result = _setup()
+  head, hp = result.head, result.params
+  m = 3
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :m - 1]], axis=1)
+  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  embed = lambda x: target.embed(tp, x)
+  cache = head.init_cache(hp, encoded, L)
+  _, cache = head.step(hp, cache, feats, embed(ar_tokens[:, :m]))  # the pairs of s_0 .. s_{m-1}
+  parent = np.array([-1, -1, 0, 0, 1, 3], np.int32)
+  proposal = Proposal(tokens=jnp.zeros((N, 6), jnp.int32), q=None,
+                      parent=jnp.broadcast_to(parent, (N, 6)))
+  depth = np.asarray(proposal.depths())
+  rs = np.random.RandomState(0)
+  node_feats = rs.normal(size=(N, 6, head.d_model)).astype(np.float32)
+  node_tokens = rs.randint(2, V, (N, 6)).astype(np.int32)
+  tree, _ = head.step(hp, cache, node_feats, embed(node_tokens), positions=m + depth - 1,
+                      tree_mask=proposal.ancestor_mask())
+  for i in range(6):
+    path = [i]
+    while parent[path[0]] >= 0:
+      path.insert(0, int(parent[path[0]]))
+    chain, _ = head.step(hp, cache, node_feats[:, path], embed(node_tokens[:, path]))
+    np.testing.assert_allclose(tree[:, i], chain[:, -1], atol=1e-5)
+
+
+def test_width_1_tree_is_the_chain_drafter():
+  """A one-child-per-node tree grown for gamma rounds is the chain drafter's proposal, so
+  the greedy decode (tokens, target calls, acceptances per row) is the chain's: the tree
+  scoring and the commit along the accepted path feed the head what the chain does."""
+  target, tp, enc, ar_tokens, ar_lengths, result = _setup()
+  kw = dict(draft=result.head, draft_params=result.params, max_decode_len=L)
+  chain = decoding.run(_speculative(gamma=3), target, tp, enc, **kw)
+  tree = decoding.run(_tree_speculative(budget=3, width=1, expand=1, depth=3, steps=3),
+                      target, tp, enc, **kw)
+  np.testing.assert_array_equal(tree.tokens, chain.tokens)
+  for name in ("target_calls", "accepted", "draft_tokens"):
+    np.testing.assert_array_equal(getattr(tree.stats, name), getattr(chain.stats, name))
+  assert int(np.sum(chain.stats.accepted)) > N
+
+
+def test_tree_greedy_equals_autoregressive_and_accepts_more():
+  target, tp, enc, ar_tokens, ar_lengths, result = _setup()
+  kw = dict(draft=result.head, draft_params=result.params, max_decode_len=L)
+  out = decoding.run(_tree_speculative(budget=8, width=2, expand=2, depth=4, steps=4), target,
+                     tp, enc, **kw)
+  near_ties = _check_greedy_rows(target, tp, enc, range(N), np.asarray(out.tokens),
+                                 np.asarray(out.lengths), ar_tokens, ar_lengths)
+  assert near_ties == 0
+  chain = decoding.run(_speculative(gamma=3), target, tp, enc, **kw)
+  assert int(np.sum(out.stats.target_calls)) <= int(np.sum(chain.stats.target_calls))
+
+
+def test_tree_sequence_law_is_exact_at_temperature_1():
+  models, enc_all, max_len = ex.family("t5")
+  target, tp = models["target"]
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config))
+  hp = head.init(jax.random.PRNGKey(5))
+  sampling = decoding.Sampling(temperature=1.0)
+  rows, n_inputs = 20_000, 2
+  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
+  result = decoding.run(_tree_speculative(budget=6, width=2, expand=2, depth=3, steps=3),
+                        target, tp, enc, draft=head, draft_params=hp, max_decode_len=max_len,
+                        sampling=sampling, rng=jax.random.PRNGKey(0), row_ids=np.arange(rows))
+  seqs = ex.testing.sequences(result)
+  per = len(seqs) // n_inputs
+  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
+  fit = ex.fit("eagle tree t5 T=1", groups, ex.target_laws("t5", n_inputs, sampling))
+  assert fit.p_value > ex.P_REJECT
+  assert 0 < int(np.sum(result.stats.accepted)) < int(np.sum(result.stats.decisions))
+
+
+class _RecordingTreeDrafter(EagleTreeDrafter):
+  """Sends each commit's (new length, the head's predicted next feature) to the host."""
+  log = []
+
+  def commit(self, ctx, state, committed, verdict, proposal):
+    new = super().commit(ctx, state, committed, verdict, proposal)
+    record = lambda *a: type(self).log.append(tuple(np.asarray(x) for x in a))
+    jax.debug.callback(record, committed.length, new.feature, ordered=True)
+    return new
+
+
+def test_tree_commit_feeds_the_head_the_accepted_paths_states():
+  """After each commit of a wide tree, the head's predicted feature equals its
+  teacher-forced prediction on the TRUE target states of the output: the target states
+  were gathered along the accepted path (not the first nodes)."""
+  target, tp, enc, _, _, result = _setup()
+  head, hp = result.head, result.params
+  _RecordingTreeDrafter.log.clear()
+  algo = decoding.Speculative(gamma=3, verifier=decoding.TreeVerifier(),
+                              drafter=_RecordingTreeDrafter(budget=8, width=3, expand=2,
+                                                            depth=4, steps=4))
+  out = decoding.run(algo, target, tp, enc, draft=head, draft_params=hp, max_decode_len=L)
+  jax.block_until_ready(out.tokens)
+  tokens = np.asarray(out.tokens)
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), tokens[:, :-1]], axis=1)
+  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  forward = np.asarray(head.forward(hp, encoded, feats, target.embed(tp, tokens)))
+  checked, before = 0, np.zeros(N, int)
+  for length, feature in _RecordingTreeDrafter.log:
+    for b in range(N):
+      if length[b] > before[b]:  # a commit that grew the row (finished rows only idle)
+        np.testing.assert_allclose(feature[b], forward[b, length[b] - 1], atol=2e-4)
+        checked += 1
+    before = np.maximum(before, length)
+  assert checked >= N

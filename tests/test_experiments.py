@@ -271,7 +271,8 @@ def test_heads_on_the_demo_pair(out):
                       out["results"]])
   rows = _json(paths["json"])["rows"]
   assert [r["decoder"] for r in rows] == ["autoregressive", "small draft (gamma 4)",
-                                          "EAGLE head (gamma 4)", "Medusa heads (gamma 4)"]
+                                          "EAGLE head (gamma 4)", "Medusa heads (gamma 4)",
+                                          "MTP modules (gamma 4)"]
   for r in rows:
     assert r["identical"] == 1.0 and r["tokens_per_target_call"] >= 1.0
   for r in rows[1:]:

@@ -32,8 +32,8 @@ def _bound(cls) -> bool:
 
 
 def _build():
-  """Builds each configured top-level object (ExperimentConfig, TrainConfig,
-  EagleTrainConfig); returns the first."""
+  """Builds each configured top-level object (ExperimentConfig, TrainConfig, the head
+  training configs); returns the first."""
   from spec_decode import train
   from spec_decode.heads import train_eagle
   built = []
@@ -50,6 +50,9 @@ def _build():
     built.append(gin.get_configurable(medusa.TrainConfig)())
   if _bound(train_eagle.EagleTrainConfig):
     built.append(gin.get_configurable(train_eagle.EagleTrainConfig)())
+  from spec_decode.heads import train_mtp
+  if _bound(train_mtp.MtpTrainConfig):
+    built.append(gin.get_configurable(train_mtp.MtpTrainConfig)())
   assert built, "the file configures no ExperimentConfig or training config"
   return built[0]
 

@@ -9,8 +9,10 @@ Algorithms, drafters and verifiers are registered by name (`registry`).
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
-from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, EagleDrafter, MedusaDrafter,
-                                           ModelDrafter, SampledTreeDrafter, TreeDrafter)
+from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, EagleDrafter,
+                                           EagleTreeDrafter, MedusaDrafter,
+                                           ModelDrafter, MtpDrafter, SampledTreeDrafter,
+                                           TreeDrafter)
 from spec_decode.decoding.runner import Algorithm, row_keys, run
 from spec_decode.decoding.sampling import Sampling, sample_from
 from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Proposal,
@@ -19,8 +21,8 @@ from spec_decode.decoding.verifiers import (BlockVerifier, ChainVerifier, TreeRR
                                             TreeVerifier, Verifier)
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
-           "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter", "MedusaDrafter",
-           "ModelDrafter", "Proposal", "SampledTreeDrafter", "Sampling", "Speculative",
-           "TreeDrafter", "TreeRRSVerifier", "TreeVerifier", "Verdict", "Verifier",
-           "autoregressive", "registry",
-           "row_keys", "run", "sample_from", "speculative"]
+           "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter",
+           "EagleTreeDrafter", "MedusaDrafter", "ModelDrafter", "MtpDrafter", "Proposal",
+           "SampledTreeDrafter", "Sampling", "Speculative", "TreeDrafter", "TreeRRSVerifier",
+           "TreeVerifier", "Verdict", "Verifier", "autoregressive", "registry", "row_keys", "run",
+           "sample_from", "speculative"]

@@ -89,6 +89,18 @@ class EagleConfig:
     return cls(**d)
 
 
+def check_feature_target(target, d_model: int, vocab_size: int, what: str) -> None:
+  """Raises ValueError unless `target` is a T5 of this width and vocabulary (`what`, a head
+  reading its decoder states, embeddings and LM head, names itself in the message)."""
+  if not isinstance(target, t5.T5):
+    raise ValueError(f"{what} needs a T5 target (it reads its decoder features, embeddings "
+                     f"and LM head), got {type(target).__name__}")
+  tc = target.config
+  if (tc.emb_dim, tc.vocab_size) != (d_model, vocab_size):
+    raise ValueError(f"{what} (d_model {d_model}, vocab_size {vocab_size}) does not match the "
+                     f"target (emb_dim {tc.emb_dim}, vocab_size {tc.vocab_size})")
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleHead(base.ParamSpecs):
   """The head: pure functions of (params, inputs); hashable, so jit-static."""
@@ -123,22 +135,11 @@ class EagleHead(base.ParamSpecs):
 
   def check_params(self, params) -> None:
     """Raises ValueError unless `params` has this head's names and shapes."""
-    want = {p: tuple(s) for p, (s, _, _) in self._param_specs().items()}
-    got = {p: tuple(np.shape(v)) for p, v in tree_util.flatten(params).items()}
-    if want != got:
-      diff = sorted(set(want.items()) ^ set(got.items()))
-      raise ValueError(f"EAGLE head params do not match its config: {diff[:6]}")
+    self.check_param_names(params, "EAGLE head")
 
   def check_target(self, target) -> None:
     """Raises ValueError unless `target` is a T5 whose features this head reads."""
-    if not isinstance(target, t5.T5):
-      raise ValueError(f"an EAGLE head needs a T5 target (it reads its decoder features, "
-                       f"embeddings and LM head), got {type(target).__name__}")
-    tc = target.config
-    if (tc.emb_dim, tc.vocab_size) != (self.d_model, self.vocab_size):
-      raise ValueError(f"the EAGLE head (d_model {self.d_model}, vocab_size {self.vocab_size}) "
-                       f"does not match the target (emb_dim {tc.emb_dim}, vocab_size "
-                       f"{tc.vocab_size})")
+    check_feature_target(target, self.d_model, self.vocab_size, "an EAGLE head")
 
   # ------------------------------------------------------------------ running
   def init_cache(self, params, encoded: t5.EncoderOutput, max_decode_len: int) -> t5.DecodeCache:
@@ -151,11 +152,14 @@ class EagleHead(base.ParamSpecs):
     return t5.DecodeCache(self_k=(empty(),), self_v=(empty(),), cross_k=(k,), cross_v=(v,),
                           encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
 
-  def step(self, params, cache: t5.DecodeCache, features_BTD, embeddings_BTD):
+  def step(self, params, cache: t5.DecodeCache, features_BTD, embeddings_BTD, *,
+           positions=None, tree_mask=None):
     """Appends T pairs (f_t, e_{t+1}) at each row's cache length.
 
     features [B, T, D]: target final decoder states (or the head's predictions);
     embeddings [B, T, D]: the target's embeddings of the tokens chosen after them.
+    positions [B, T] / tree_mask [B, T, T]: a tree of pairs, as in `T5.decode` (each
+    pair at its own position, seeing the cache and its ancestors).
     Returns (predicted next features [B, T, D], cache with lengths + T).
     """
     c = self.config
@@ -169,7 +173,7 @@ class EagleHead(base.ParamSpecs):
                    params["fc"]["kernel"].astype(c.dtype))
     offsets = cache.lengths
     bias, mask = block.self_attention_geometry(params["relpos_bias"]["rel_embedding"], offsets,
-                                               T, cache.max_length)
+                                               T, cache.max_length, positions, tree_mask)
     cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
                                   (B, T, cache.encoder_mask.shape[1]))
     x, k, v = block.decoder_layer(params["layers_0"], x, cache.self_k[0], cache.self_v[0],
@@ -259,6 +263,18 @@ def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
 
   `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
   """
+  save_head(path, head, params, CONFIG_FILE, step=step, dtype=dtype)
+
+
+def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
+  """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
+  return load_head(path, CONFIG_FILE, lambda d: EagleHead(EagleConfig.from_json(d)), "an EAGLE head",
+                   dtype=dtype)
+
+
+def save_head(path, head, params, config_file: str, *, step: int = 0, dtype=None) -> None:
+  """A head (anything with `check_params` and `config.to_json()`) as a T5X-format checkpoint
+  plus `config_file` (its config as JSON) in the new or empty directory `path`."""
   import json
 
   from spec_decode.checkpoints import storage, t5x_legacy
@@ -271,20 +287,21 @@ def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
   config = head.config.to_json()
   if dtype is not None:
     config["dtype"] = jnp.dtype(dtype).name
-  storage.write_bytes(storage.join(path, CONFIG_FILE), json.dumps(config, indent=1).encode())
+  storage.write_bytes(storage.join(path, config_file), json.dumps(config, indent=1).encode())
 
 
-def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
-  """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
+def load_head(path, config_file: str, make_head, what: str, *, dtype=None):
+  """(head, params) from a directory `save_head` wrote: make_head(config JSON with the
+  loading dtype) builds the head; `what` names it in errors."""
   import json
 
   from spec_decode.checkpoints import common, storage, t5x_legacy
   path = storage.normalize(path)
-  raw = storage.read_bytes(storage.join(path, CONFIG_FILE))
+  raw = storage.read_bytes(storage.join(path, config_file))
   if raw is None:
-    raise ValueError(f"{path} is not an EAGLE head checkpoint: no {CONFIG_FILE}")
+    raise ValueError(f"{path} is not {what} checkpoint: no {config_file}")
   dtype = common.resolve_dtype(dtype)
-  head = EagleHead(EagleConfig.from_json(dict(json.loads(raw), dtype=jnp.dtype(dtype).name)))
+  head = make_head(dict(json.loads(raw), dtype=jnp.dtype(dtype).name))
   params = tree_util.unflatten(common.materialize(t5x_legacy.open_arrays(path), dtype))
   head.check_params(params)
   return head, params

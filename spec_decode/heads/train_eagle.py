@@ -41,20 +41,16 @@ from spec_decode.models import t5
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleTrainConfig:
-  """A head-training run. head: EagleConfig overrides of `EagleConfig.for_target`.
+class HeadTrainConfig:
+  """What every run training a head on a frozen target sets (EAGLE, MTP modules).
 
-  unroll: k, the training-time-test steps (1 = EAGLE-1); unroll_decay: the
-  weight ratio of step j + 1 to step j; ce_weight: the cross-entropy term's
-  weight. prefixes: 'data' (the task's targets) or 'target' (its greedy
-  outputs for the first teacher_examples training inputs).
+  head: overrides of the head config's `for_target` defaults. prefixes: 'data'
+  (the task's targets) or 'target' (its greedy outputs for the first
+  teacher_examples training inputs).
   """
   task: str = "synthetic_ende"
   target_checkpoint: str = "demo_models/ende_target"
   head: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  unroll: int = 3
-  unroll_decay: float = 0.8
-  ce_weight: float = 0.1
   prefixes: str = "data"
   teacher_examples: int = 1024
   teacher_temperature: float = 0.0
@@ -77,21 +73,40 @@ class EagleTrainConfig:
   export_path: Optional[str] = None
   export_dtype: str = "float32"
 
+  _positive_ints = ("batch_size", "input_length", "target_length", "save_every", "eval_every",
+                    "log_every", "teacher_examples")
+
   def __post_init__(self):
+    name = type(self).__name__
     if self.prefixes not in train.PREFIXES:
-      raise ValueError(f"EagleTrainConfig.prefixes must be one of {train.PREFIXES}, "
-                       f"got {self.prefixes!r}")
+      raise ValueError(f"{name}.prefixes must be one of {train.PREFIXES}, got {self.prefixes!r}")
     if self.optimizer not in train.OPTIMIZERS or self.schedule not in train.SCHEDULES:
-      raise ValueError(f"EagleTrainConfig.optimizer must be in {train.OPTIMIZERS} and schedule "
+      raise ValueError(f"{name}.optimizer must be in {train.OPTIMIZERS} and schedule "
                        f"in {train.SCHEDULES}, got {self.optimizer!r}, {self.schedule!r}")
-    for name in ("unroll", "batch_size", "input_length", "target_length", "save_every",
-                 "eval_every", "log_every", "teacher_examples"):
-      v = getattr(self, name)
+    for field in self._positive_ints:
+      v = getattr(self, field)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"EagleTrainConfig.{name} must be an int >= 1, got {v!r}")
+        raise ValueError(f"{name}.{field} must be an int >= 1, got {v!r}")
     if self.num_steps < 0 or self.warmup_steps < 0 or self.learning_rate <= 0:
-      raise ValueError("EagleTrainConfig needs num_steps >= 0, warmup_steps >= 0, "
-                       "learning_rate > 0")
+      raise ValueError(f"{name} needs num_steps >= 0, warmup_steps >= 0, learning_rate > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTrainConfig(HeadTrainConfig):
+  """An EAGLE head-training run (`HeadTrainConfig` plus the losses' settings).
+
+  unroll: k, the training-time-test steps (1 = EAGLE-1); unroll_decay: the
+  weight ratio of step j + 1 to step j; ce_weight: the cross-entropy term's
+  weight.
+  """
+  unroll: int = 3
+  unroll_decay: float = 0.8
+  ce_weight: float = 0.1
+
+  _positive_ints = HeadTrainConfig._positive_ints + ("unroll",)
+
+  def __post_init__(self):
+    super().__post_init__()
     if not 0.0 < self.unroll_decay <= 1.0 or self.ce_weight < 0:
       raise ValueError(f"EagleTrainConfig needs 0 < unroll_decay <= 1 and ce_weight >= 0, got "
                        f"{self.unroll_decay}, {self.ce_weight}")
@@ -107,7 +122,7 @@ def target_features(target: t5.T5, target_params, encoder_tokens, decoder_inputs
           jax.lax.stop_gradient(jax.nn.log_softmax(out.logits, axis=-1)))
 
 
-def _shift(x, j: int):
+def shift_left(x, j: int):
   """x[:, i + j] at index i, zeros past the end (axis 1)."""
   if j == 0:
     return x
@@ -141,7 +156,7 @@ def unrolled_predictions(head: eagle.EagleHead, params, encoded, features_BTD, e
   for j in range(1, k + 1):
     f = t5._rms_norm(feats.astype(c.dtype), params["feature_norm"]["scale"],
                      c.layer_norm_epsilon)
-    e = t5._rms_norm(embed_fn(_shift(decoder_inputs, j)).astype(c.dtype),
+    e = t5._rms_norm(embed_fn(shift_left(decoder_inputs, j)).astype(c.dtype),
                      params["token_norm"]["scale"], c.layer_norm_epsilon)
     x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([f, e], axis=-1),
                    params["fc"]["kernel"].astype(c.dtype))
@@ -155,6 +170,20 @@ def unrolled_predictions(head: eagle.EagleHead, params, encoded, features_BTD, e
   return preds
 
 
+def distill_terms(target: t5.T5, target_params, hidden_BTD, logp_BTV, weights_BT):
+  """{ce, kl, agree}: the cross-entropy of the target's LM head on `hidden` against the laws
+  exp(logp), the KL divergence (the same minus the laws' entropy: the same gradients,
+  0 at a perfect fit) and the fraction whose argmax agrees; weighted means over positions."""
+  n = jnp.maximum(jnp.sum(weights_BT), 1.0)
+  mean = lambda x: jnp.sum(x * weights_BT) / n
+  logits = target.logits_from_hidden(target_params, hidden_BTD)
+  p_want = jnp.exp(logp_BTV)
+  ce = mean(-jnp.sum(p_want * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+  entropy = mean(-jnp.sum(p_want * logp_BTV, axis=-1))
+  agree = mean(jnp.argmax(logits, -1) == jnp.argmax(logp_BTV, -1))
+  return {"ce": ce, "kl": ce - entropy, "agree": agree}
+
+
 def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unroll_decay: float,
                ce_weight: float):
   """(loss, metrics) of one batch; see the module doc."""
@@ -165,25 +194,21 @@ def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unrol
   preds = unrolled_predictions(head, params, encoded, feats, embed_fn, dec_in, unroll)
   total, norm, metrics = 0.0, 0.0, {}
   for j, pred in enumerate(preds, start=1):
-    wj = _shift(w, j)
+    wj = shift_left(w, j)
     n = jnp.maximum(jnp.sum(wj), 1.0)
-    want = _shift(feats, j).astype(jnp.float32)
+    want = shift_left(feats, j).astype(jnp.float32)
     reg = jnp.sum(jnp.mean(optax.huber_loss(pred.astype(jnp.float32), want), axis=-1) * wj) / n
-    logits = target.logits_from_hidden(target_params, pred)
-    p_want = jnp.exp(_shift(logp, j))
-    ce = jnp.sum(-jnp.sum(p_want * jax.nn.log_softmax(logits, axis=-1), axis=-1) * wj) / n
-    agree = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(p_want, -1)) * wj) / n
+    terms = distill_terms(target, target_params, pred, shift_left(logp, j), wj)
     weight = unroll_decay ** (j - 1)
-    total, norm = total + weight * (reg + ce_weight * ce), norm + weight
-    metrics.update({f"reg_{j}": reg, f"ce_{j}": ce, f"agree_{j}": agree})
+    total, norm = total + weight * (reg + ce_weight * terms["ce"]), norm + weight
+    metrics.update({f"reg_{j}": reg, f"ce_{j}": terms["ce"], f"agree_{j}": terms["agree"]})
   metrics["tokens"] = jnp.sum(w)
   return total / norm, metrics
 
 
-def make_steps(head, target, optimizer, cfg: EagleTrainConfig):
-  """(train_step(state, batch, target_params), eval_step(params, batch, target_params))."""
-  loss_fn = functools.partial(eagle_loss, head, target=target, unroll=cfg.unroll,
-                              unroll_decay=cfg.unroll_decay, ce_weight=cfg.ce_weight)
+def make_steps(loss_fn, optimizer):
+  """(train_step(state, batch, target_params), eval_step(params, batch, target_params)) of
+  loss_fn(params, target_params=..., batch=...) -> (loss, metrics)."""
 
   @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state: train.TrainState, batch, target_params):
@@ -204,19 +229,36 @@ def make_steps(head, target, optimizer, cfg: EagleTrainConfig):
 
 # ----------------------------------------------------------------------------- the run
 @dataclasses.dataclass(frozen=True)
-class EagleTrainResult:
-  head: eagle.EagleHead
+class HeadTrainResult:
+  head: Any
   params: Any
   history: tuple
   eval: Mapping[str, float]
   seconds: float
 
 
-def train_head(cfg: EagleTrainConfig, *, report: Callable[[str], None] = print,
-               train_split: train_data.TokenizedSplit | None = None,
-               eval_split: train_data.TokenizedSplit | None = None,
-               target: t5.T5 | None = None, target_params=None) -> EagleTrainResult:
-  """Runs (or resumes) head training for cfg.num_steps steps in total.
+EagleTrainResult = HeadTrainResult
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRecipe:
+  """How to train one kind of head: what: its name in reports; build(target) -> head;
+  loss(head, params, target=, target_params=, batch=) -> (loss, metrics); describe(metrics)
+  -> a log line's tail; save(path, head, params, step=, dtype=)."""
+  what: str
+  build: Callable[[t5.T5], Any]
+  loss: Callable[..., Any]
+  describe: Callable[[Mapping[str, float]], str]
+  save: Callable[..., None]
+
+
+def train_frozen_head(cfg: HeadTrainConfig, recipe: HeadRecipe, *,
+                      report: Callable[[str], None] = print,
+                      train_split: train_data.TokenizedSplit | None = None,
+                      eval_split: train_data.TokenizedSplit | None = None,
+                      target: t5.T5 | None = None, target_params=None) -> HeadTrainResult:
+  """Runs (or resumes from cfg.workdir) cfg.num_steps steps of training a head on a frozen
+  target, then exports it to cfg.export_path.
 
   train_split / eval_split / (target, target_params) override the task's data and
   `target_checkpoint` (tests pass tiny ones).
@@ -237,28 +279,43 @@ def train_head(cfg: EagleTrainConfig, *, report: Callable[[str], None] = print,
       eval_split = source.tokenized("validation", cfg.eval_examples)
   if cfg.prefixes == "target":
     train_split = train._teacher_split(target, target_params, train_split, cfg, report)
-  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, **dict(cfg.head)))
+  head = recipe.build(target)
   head.check_target(target)
-  report(f"EAGLE head: {head.num_params():,} parameters (target {target.num_params():,}); "
+  report(f"{recipe.what}: {head.num_params():,} parameters (target {target.num_params():,}); "
          f"{len(train_split)} training examples")
   params = head.init(jax.random.PRNGKey(cfg.seed))
   optimizer = train.make_optimizer(cfg)
   state = train.TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
   state, manager = train.resume(state, cfg, report)
-  train_step, eval_step = make_steps(head, target, optimizer, cfg)
+  train_step, eval_step = make_steps(functools.partial(recipe.loss, head, target=target),
+                                     optimizer)
   t0 = time.time()
   state, history, last_eval = train.run_steps(
       state, cfg, train_step=train_step, eval_step=eval_step, train_split=train_split,
       eval_split=eval_split, frozen_params=target_params, manager=manager, report=report,
+      describe=recipe.describe)
+  seconds = time.time() - t0
+  report(f"trained to step {int(state.step)} in {seconds / 60:.1f} minutes")
+  if cfg.export_path:
+    recipe.save(cfg.export_path, head, state.params, step=int(state.step), dtype=cfg.export_dtype)
+    report(f"exported the {recipe.what} to {cfg.export_path}")
+  return HeadTrainResult(head=head, params=state.params, history=tuple(history),
+                         eval=last_eval, seconds=seconds)
+
+
+def train_head(cfg: EagleTrainConfig, **kw) -> HeadTrainResult:
+  """Trains an EAGLE head (`train_frozen_head`'s keyword arguments)."""
+  recipe = HeadRecipe(
+      what="EAGLE head",
+      build=lambda target: eagle.EagleHead(eagle.EagleConfig.for_target(target.config,
+                                                                         **dict(cfg.head))),
+      loss=functools.partial(eagle_loss, unroll=cfg.unroll, unroll_decay=cfg.unroll_decay,
+                             ce_weight=cfg.ce_weight),
       describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
                           f"{m['agree_1']:.3f} agree_{cfg.unroll} "
-                          f"{m[f'agree_{cfg.unroll}']:.3f}"))
-  seconds = time.time() - t0
-  if cfg.export_path:
-    eagle.save(cfg.export_path, head, state.params, step=int(state.step), dtype=cfg.export_dtype)
-    report(f"exported the EAGLE head to {cfg.export_path}")
-  return EagleTrainResult(head=head, params=state.params, history=tuple(history),
-                          eval=last_eval, seconds=seconds)
+                          f"{m[f'agree_{cfg.unroll}']:.3f}"),
+      save=eagle.save)
+  return train_frozen_head(cfg, recipe, **kw)
 
 
 def run_cli() -> None:

@@ -231,3 +231,11 @@ class ParamSpecs:
 
   def num_params(self) -> int:
     return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
+
+  def check_param_names(self, params, what: str) -> None:
+    """Raises ValueError naming `what` unless `params` has exactly the specs' names and shapes."""
+    want = {p: tuple(s) for p, (s, _, _) in self._param_specs().items()}
+    got = {p: tuple(np.shape(v)) for p, v in tree_util.flatten(params).items()}
+    if want != got:
+      diff = sorted(set(want.items()) ^ set(got.items()))
+      raise ValueError(f"{what} params do not match its config: {diff[:6]}")

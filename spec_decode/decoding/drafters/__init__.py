@@ -52,7 +52,8 @@ from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402  regist
 from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.medusa import MedusaDrafter  # noqa: E402  registration
 from spec_decode.decoding.drafters.sampled_tree import SampledTreeDrafter  # noqa: E402
-from spec_decode.decoding.drafters.eagle import EagleDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter  # noqa: E402
+from spec_decode.decoding.drafters.mtp import MtpDrafter  # noqa: E402  registration
 
-__all__ = ["AdaptiveDrafter", "Drafter", "EagleDrafter", "MedusaDrafter", "ModelDrafter",
-           "SampledTreeDrafter", "TreeDrafter"]
+__all__ = ["AdaptiveDrafter", "Drafter", "EagleDrafter", "EagleTreeDrafter", "MedusaDrafter",
+           "ModelDrafter", "MtpDrafter", "SampledTreeDrafter", "TreeDrafter"]

@@ -23,6 +23,15 @@ draws s_1 from p at the root); from then on every proposal is full. Greedy
 proposals are the LM head's argmax chain with q None; sampled ones draw from
 the adjusted law `ctx.sampling.probs` and return it as q, so the chain
 verifier's rejection sampling stays exact. Unsharded runs only (mesh=None).
+
+`EagleTreeDrafter` grows a tree instead (EAGLE-2's dynamic draft tree, built by
+the best-first search of `TreeDrafter` from the head's own scores): every
+round scores all nodes in one head call, node i paired with its parent's
+predicted feature (the root's: `feature`) at position m + depth - 1 and
+seeing only its ancestors, so each node's logits are exactly what the chain
+drafter computes along that node's path. The tree carries no q, so it goes
+with `TreeVerifier` (SpecExec's rule, exact for any tree). Its commit gathers
+the target's states along the accepted path and commits them as a chain.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.tree import TreeDrafter
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal
 from spec_decode.heads import eagle
@@ -111,3 +121,47 @@ class EagleDrafter(Drafter):
     last = jnp.clip(new_length - m - 1, 0, K1 - 1)  # pair m' - 1 predicts f_{m'}
     feature = jnp.take_along_axis(pred, last[:, None, None], axis=1)[:, 0]
     return EagleState(cache=cache.rewind(new_length), feature=feature)
+
+
+@registry.drafter("eagle_tree")
+@dataclasses.dataclass(frozen=True)
+class EagleTreeDrafter(TreeDrafter):
+  """A best-first tree (`TreeDrafter`'s budget, width, expand, depth, steps) from an EAGLE
+  head; see the module doc."""
+
+  def check_models(self, target, draft) -> None:
+    EagleDrafter().check_models(target, draft)
+
+  def init(self, ctx, room: int):
+    return EagleDrafter().init(ctx, room)
+
+  def propose(self, ctx, state: EagleState, committed: Committed, keys, num: int):
+    head, hp = ctx.draft, ctx.draft_params
+    target, tp = ctx.target, ctx.target_params
+    m = committed.length
+    lm = lambda h: target.logits_from_hidden(tp, h.astype(target.config.dtype))
+    root_feature = state.feature
+
+    def score(tok, par, depth, mask, feats):
+      parent_feature = jnp.where((par >= 0)[..., None],
+                                 jnp.take_along_axis(feats, jnp.maximum(par, 0)[..., None],
+                                                     axis=1), root_feature[:, None])
+      pred, _ = head.step(hp, state.cache, parent_feature, target.embed(tp, tok),
+                          positions=m[:, None] + depth - 1, tree_mask=mask)
+      return lm(pred), pred
+
+    B, N = m.shape[0], self.budget
+    feats = jnp.zeros((B, N, head.d_model), head.config.dtype)
+    tok, par, _ = self.grow(ctx.sampling, lm(root_feature[:, None])[:, 0], score, feats)
+    par = jnp.where(committed.it == 0, -2, par)  # no target feature yet: an empty tree
+    return Proposal(tokens=tok, q=None, parent=par), state
+
+  def commit(self, ctx, state: EagleState, committed: Committed, verdict, proposal):
+    hidden = committed.target_hidden  # [B, K + 1, D] at [s_m, node 0 .. K - 1]
+    if hidden is None:
+      raise ValueError("EagleTreeDrafter needs the target's decoder features (target_hidden)")
+    along = jnp.concatenate([jnp.zeros_like(verdict.path[:, :1]), verdict.path[:, :self.depth]
+                             + 1], axis=1)  # the accepted path's states first
+    chain = jnp.take_along_axis(hidden, along[..., None], axis=1)
+    return EagleDrafter().commit(ctx, state, committed.replace(target_hidden=chain), verdict,
+                                 proposal)

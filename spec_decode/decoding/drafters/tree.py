@@ -97,17 +97,34 @@ class TreeDrafter(Drafter):
     return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), _NEG)
 
   def propose(self, ctx, state: TreeState, committed: Committed, keys, num: int):
-    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
-    B, N, W, E = ctx.batch_size, self.budget, self.width, self.expand
+    draft, params = ctx.draft, ctx.draft_params
     m = committed.length
     root_logits, cache = catch_up(ctx, state, committed, self.depth)
+
+    def score(tok, par, depth, mask, carry):
+      out = draft.decode(params, cache, tok, positions=m[:, None] + depth, tree_mask=mask)
+      return out.logits, carry
+
+    tok, par, _ = self.grow(ctx.sampling, root_logits, score, None)
+    proposal = Proposal(tokens=tok, q=None, parent=par)
+    return proposal, TreeState(cache=cache, held=m + 1)
+
+  def grow(self, sampling, root_logits, score, carry):
+    """(tokens [B, N], parents [B, N], carry) of the best-first tree (see the module doc).
+
+    root_logits [B, V]: the draft's logits at the root. score(tokens, parents, depths
+    [B, N], ancestor mask [B, N, N], carry) -> (logits [B, N, V] at every node, carry):
+    one draft call on the whole tree. carry (None, or an array [B, N, ...] with a row per
+    node, zeros for nodes not yet scored) follows its node as the tree is re-ranked.
+    """
+    B, N, W, E = root_logits.shape[0], self.budget, self.width, self.expand
 
     # Round 0: the root's children.
     root_lp, root_tok = jax.lax.top_k(self._log_law(sampling, root_logits), W)  # [B, W]
     pad = N - W
     tok = jnp.concatenate([root_tok, jnp.zeros((B, pad), jnp.int32)], axis=1)
-    score = jnp.concatenate([root_lp, jnp.full((B, pad), _NEG)], axis=1)
-    par = jnp.where(jnp.isfinite(score), -1, -2).astype(jnp.int32)
+    score_ = jnp.concatenate([root_lp, jnp.full((B, pad), _NEG)], axis=1)
+    par = jnp.where(jnp.isfinite(score_), -1, -2).astype(jnp.int32)
     par = par.at[:, W:].set(-2)
     depth = jnp.where(par >= -1, 1, 0).astype(jnp.int32)
     expanded = jnp.zeros((B, N), bool)
@@ -116,11 +133,11 @@ class TreeDrafter(Drafter):
       # `depth` is carried (padding has 0; no node attends to padding, so its position
       # is irrelevant): only the ancestor mask is derived from the parents.
       mask = Proposal(tokens=tok, q=None, parent=par).ancestor_mask()
-      lp = self._log_law(sampling, draft.decode(params, cache, tok, positions=m[:, None] + depth,
-                                                tree_mask=mask).logits)
+      logits, carry = score(tok, par, depth, mask, carry)
+      lp = self._log_law(sampling, logits)
       child_lp, child_tok = jax.lax.top_k(lp, W)  # [B, N, W]
-      eligible = jnp.isfinite(score) & ~expanded & (depth < self.depth)
-      key, pick = jax.lax.top_k(jnp.where(eligible, score, _NEG), min(E, N))  # [B, E]
+      eligible = jnp.isfinite(score_) & ~expanded & (depth < self.depth)
+      key, pick = jax.lax.top_k(jnp.where(eligible, score_, _NEG), min(E, N))  # [B, E]
       ok = jnp.isfinite(key)
       c_tok = jnp.take_along_axis(child_tok, pick[:, :, None], axis=1).reshape(B, -1)
       c_score = (key[:, :, None] + jnp.take_along_axis(child_lp, pick[:, :, None], axis=1))
@@ -131,7 +148,7 @@ class TreeDrafter(Drafter):
                                     & ok[:, :, None], axis=1)
       # Old and new nodes; keep the N best (ties to the shallower), parents first.
       all_tok = jnp.concatenate([tok, c_tok], axis=1)
-      all_score = jnp.concatenate([score, c_score], axis=1)
+      all_score = jnp.concatenate([score_, c_score], axis=1)
       all_par = jnp.concatenate([par, c_par], axis=1)
       all_depth = jnp.concatenate([depth, c_depth], axis=1)
       all_exp = jnp.concatenate([expanded, jnp.zeros_like(c_tok, bool)], axis=1)
@@ -146,12 +163,15 @@ class TreeDrafter(Drafter):
       new_index = jax.vmap(lambda row, k: row.at[k].set(jnp.arange(N, dtype=jnp.int32)))(
           new_index, keep)
       take = lambda a: jnp.take_along_axis(a, keep, axis=1)
-      tok, score, depth, expanded = take(all_tok), take(all_score), take(all_depth), take(all_exp)
+      tok, score_, depth, expanded = take(all_tok), take(all_score), take(all_depth), take(all_exp)
+      if carry is not None:
+        fresh = jnp.zeros((B, c_tok.shape[1]) + carry.shape[2:], carry.dtype)
+        all_carry = jnp.concatenate([carry, fresh], axis=1)
+        carry = jnp.take_along_axis(
+            all_carry, keep.reshape(keep.shape + (1,) * (carry.ndim - 2)), axis=1)
       old_par = take(all_par)
       par = jnp.where(old_par >= 0,
                       jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), old_par)
-      par = jnp.where(jnp.isfinite(score), par, -2).astype(jnp.int32)
-      tok = jnp.where(jnp.isfinite(score), tok, 0)
-
-    proposal = Proposal(tokens=tok.astype(jnp.int32), q=None, parent=par)
-    return proposal, TreeState(cache=cache, held=m + 1)
+      par = jnp.where(jnp.isfinite(score_), par, -2).astype(jnp.int32)
+      tok = jnp.where(jnp.isfinite(score_), tok, 0)
+    return tok.astype(jnp.int32), par, carry

@@ -1,0 +1,170 @@
+"""DeepSeek-V3-style sequential multi-token-prediction (MTP) modules on a frozen T5 target.
+
+With f_t the target's final decoder state at input s_t (its logits for s_{t+1}
+are read from it) and e(s) the target's embedding of token s, module k = 1 .. D
+at position t reads the previous module's state there (h^0_t = f_t) and the
+embedding of the token k steps ahead:
+
+  x^k_t = W_k [norm(h^{k-1}_t); norm(e(s_{t+k}))]     (2D -> D)
+  h^k_t = final_norm_k(one T5 decoder block_k on x^k_t)  (causal self-attention over
+                                                    module k's own positions, cross-
+                                                    attention to the TARGET's encoder
+                                                    output, MLP)
+
+and the target's own frozen LM head turns h^k_t into the law of s_{t+k+1}
+(DeepSeek-V3, section 2.2: the modules are sequential, so each prediction
+keeps the causal chain of the ones before it). Each module has the shape and
+parameter names of an EAGLE head (`heads.eagle`); module k's parameters are
+under `mtp_{k}/`. Unlike an EAGLE head, module k is a different network for
+each depth k and is trained teacher-forced on true tokens (`train_mtp`), with
+no feature-regression target: the chain of states is the modules' own.
+
+Drafting (decoding.drafters.mtp): with m tokens committed and f_{m-1} known,
+module k at position m - 1 proposes s_{m+k}, reading the drafts x_1 ..
+x_{k-1} as its look-ahead tokens: a proposal of gamma <= D tokens costs gamma
+module calls and no target call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from spec_decode.heads import eagle
+from spec_decode.models import base, t5
+
+CONFIG_FILE = "mtp_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig(eagle.EagleConfig):
+  """num_modules D (tokens one proposal holds at most) and each module's block shape
+  (the fields of `EagleConfig`; vocab_size and d_model are the target's)."""
+  num_modules: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    D = self.num_modules
+    if not isinstance(D, (int, np.integer)) or isinstance(D, bool) or D < 1:
+      raise ValueError(f"MtpConfig.num_modules must be an int >= 1, got {D!r}")
+
+  @property
+  def module_config(self) -> eagle.EagleConfig:
+    """One module's config (an EAGLE head's)."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(eagle.EagleConfig)}
+    return eagle.EagleConfig(**fields)
+
+  @classmethod
+  def from_json(cls, d) -> "MtpConfig":
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpModules(base.ParamSpecs):
+  """D sequential MTP modules: pure functions of (params, inputs); hashable, jit-static.
+
+  It is the draft "model" of `decoding.Speculative(drafter=MtpDrafter())`.
+  """
+  config: MtpConfig
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def d_model(self) -> int:
+    return self.config.d_model
+
+  @property
+  def num_modules(self) -> int:
+    return self.config.num_modules
+
+  @property
+  def module(self) -> eagle.EagleHead:
+    """Each module's network: an EAGLE head's (fc, norms, one decoder block)."""
+    return eagle.EagleHead(self.config.module_config)
+
+  def _param_specs(self):
+    one = self.module._param_specs()
+    return {f"mtp_{k}/{path}": spec for k in range(1, self.num_modules + 1)
+            for path, spec in one.items()}
+
+  def module_params(self, params, k: int):
+    """Module k's (1-based) parameters."""
+    return params[f"mtp_{k}"]
+
+  def check_params(self, params) -> None:
+    """Raises ValueError unless `params` has these modules' names and shapes."""
+    self.check_param_names(params, f"MTP module ({self.num_modules} modules)")
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless `target` is a T5 whose states and LM head these modules read."""
+    eagle.check_feature_target(target, self.d_model, self.vocab_size, "an MTP module stack")
+
+  def init_caches(self, params, encoded: t5.EncoderOutput, max_length: int, num: int):
+    """Empty self-attention caches of modules 1 .. num (`max_length` slots each),
+    cross-attending to the TARGET's encoder output."""
+    module = self.module
+    return tuple(module.init_cache(self.module_params(params, k), encoded, max_length)
+                 for k in range(1, num + 1))
+
+  def forward(self, params, encoded: t5.EncoderOutput, features_BTD, embed_fn, tokens_BT):
+    """Teacher-forced states [h^1 .. h^D], each [B, T, D], of the modules on a sequence.
+
+    features [B, T, D]: f_0 .. f_{T-1}; tokens [B, T]: s_0 .. s_{T-1} (module k reads
+    s_{t+k}; zeros past the end); embed_fn: the target's embedding.
+    """
+    module = self.module
+    T = tokens_BT.shape[1]
+    padded = jax.numpy.pad(tokens_BT, ((0, 0), (0, self.num_modules)))
+    h, states = features_BTD, []
+    for k in range(1, self.num_modules + 1):
+      h = module.forward(self.module_params(params, k), encoded, h,
+                         embed_fn(padded[:, k:k + T]))
+      states.append(h)
+    return states
+
+
+  def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
+                    position: int, cache_length: int, repeats: int = 10, **unused) -> float:
+    """Marginal seconds per proposed token: one proposal of gamma tokens as
+    `MtpDrafter.propose` runs it (modules 1 .. gamma, each once over a 2 gamma window of
+    the states before it, caches holding `position` entries, and the LM head on each
+    module's state at one position), divided by gamma."""
+    from spec_decode import timing
+    jnp = jax.numpy
+    encoded = target.encode(target_params, encoder_tokens)
+    B, W = encoder_tokens.shape[0], 2 * gamma
+    caches = [c.replace(lengths=jnp.full((B,), position, jnp.int32))
+              for c in self.init_caches(params, encoded, cache_length + W, gamma)]
+    tokens = jnp.ones((B, W), jnp.int32)
+    module = self.module
+
+    def propose(h):
+      out = 0.0
+      for k in range(1, gamma + 1):
+        h, _ = module.step(self.module_params(params, k), caches[k - 1], h,
+                           target.embed(target_params, tokens))
+        logits = target.logits_from_hidden(target_params, h[:, gamma - 1:gamma])
+        out = out + jnp.mean(logits, axis=(1, 2))[:, None, None]
+      return out
+
+    feats = jnp.zeros((B, W, self.d_model), self.config.dtype)
+    return timing.loop_seconds(propose, feats, repeats=repeats) / gamma
+
+
+# ---------------------------------------------------------------------- checkpoints
+def save(path, modules: MtpModules, params, *, step: int = 0, dtype=None) -> None:
+  """Writes the modules as a T5X-format checkpoint plus their config (`mtp_config.json`).
+
+  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
+  """
+  eagle.save_head(path, modules, params, CONFIG_FILE, step=step, dtype=dtype)
+
+
+def load(path, *, dtype=None) -> tuple[MtpModules, dict]:
+  """(modules, params) from a directory `save` wrote; dtype None = float32 on CPU."""
+  return eagle.load_head(path, CONFIG_FILE, lambda d: MtpModules(MtpConfig.from_json(d)),
+                         "an MTP module", dtype=dtype)
