@@ -96,3 +96,20 @@ def fit(label: str, groups, laws) -> testing.GoodnessOfFit:
   print(f"\n[exactness] {label}: n={out.samples} chi2={out.statistic:.1f} dof={out.dof} "
         f"p={out.p_value:.4g} tv={out.tv:.4f} impossible={out.impossible}")
   return out
+
+
+def head_law_fit(algorithm, make_draft, label: str, *, rows: int = 20_000, n_inputs: int = 2,
+                 sampling: decoding.Sampling = decoding.Sampling(temperature=1.0)):
+  """(fit, result): the sequence law of `algorithm` on the t5 family's target with the draft
+  make_draft(target) -> (draft, params) (a head reading the target), against the exact law."""
+  models, enc_all, max_len = family("t5")
+  target, tp = models["target"]
+  draft, dp = make_draft(target)
+  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
+  result = decoding.run(algorithm, target, tp, enc, draft=draft, draft_params=dp,
+                        max_decode_len=max_len, sampling=sampling, rng=jax.random.PRNGKey(0),
+                        row_ids=np.arange(rows))
+  seqs = testing.sequences(result)
+  per = len(seqs) // n_inputs
+  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
+  return fit(label, groups, target_laws("t5", n_inputs, sampling)), result

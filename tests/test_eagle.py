@@ -38,10 +38,11 @@ def _speculative(gamma=3):
 
 
 @functools.lru_cache(maxsize=None)
-def _setup():
-  """A tiny target, a ragged batch, its greedy outputs, and a head trained on them."""
+def tiny_target_and_split():
+  """A tiny target, a ragged batch, its greedy outputs (lengths 3 .. 12) and the split of
+  (input, greedy output) pairs a head trains on."""
   target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V))
-  tp = target.init(jax.random.PRNGKey(7))  # outputs of lengths 3 .. 12
+  tp = target.init(jax.random.PRNGKey(7))
   rs = np.random.RandomState(31)
   enc = rs.randint(2, V, (N, S)).astype(np.int32)
   for row, n in enumerate(rs.randint(1, S + 1, N)):
@@ -51,6 +52,13 @@ def _setup():
   split = train_data.TokenizedSplit(
       tuple(tuple(int(t) for t in row[row > 0]) for row in enc),
       tuple(tuple(int(t) for t in row[:n]) for row, n in zip(ar_tokens, ar_lengths)))
+  return target, tp, enc, ar_tokens, ar_lengths, split
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+  """tiny_target_and_split() and a head trained on it."""
+  target, tp, enc, ar_tokens, ar_lengths, split = tiny_target_and_split()
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=60, input_length=S,
                                      target_length=L, learning_rate=3e-3, warmup_steps=5,
                                      log_every=10, eval_every=1000, eval_examples=N)
@@ -90,21 +98,13 @@ def test_greedy_equals_autoregressive(trained):
   assert np.all(np.asarray(stats.draft_tokens) == 3 * (np.asarray(stats.target_calls) - 1))
 
 
-def test_sequence_law_is_exact_at_temperature_1():
-  models, enc_all, max_len = ex.family("t5")
-  target, tp = models["target"]
+def _random_head(target):
   head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config))
-  hp = head.init(jax.random.PRNGKey(5))
-  sampling = decoding.Sampling(temperature=1.0)
-  rows, n_inputs = 20_000, 2
-  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
-  result = decoding.run(_speculative(gamma=2), target, tp, enc, draft=head, draft_params=hp,
-                        max_decode_len=max_len, sampling=sampling, rng=jax.random.PRNGKey(0),
-                        row_ids=np.arange(rows))
-  seqs = ex.testing.sequences(result)
-  per = len(seqs) // n_inputs
-  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
-  fit = ex.fit("eagle t5 T=1", groups, ex.target_laws("t5", n_inputs, sampling))
+  return head, head.init(jax.random.PRNGKey(5))
+
+
+def test_sequence_law_is_exact_at_temperature_1():
+  fit, result = ex.head_law_fit(_speculative(gamma=2), _random_head, "eagle t5 T=1")
   assert fit.p_value > ex.P_REJECT
   accepted, decisions = int(np.sum(result.stats.accepted)), int(np.sum(result.stats.decisions))
   assert 0 < accepted < decisions  # both acceptances and rejections happened
@@ -362,20 +362,8 @@ def test_tree_greedy_equals_autoregressive_and_accepts_more():
 
 
 def test_tree_sequence_law_is_exact_at_temperature_1():
-  models, enc_all, max_len = ex.family("t5")
-  target, tp = models["target"]
-  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config))
-  hp = head.init(jax.random.PRNGKey(5))
-  sampling = decoding.Sampling(temperature=1.0)
-  rows, n_inputs = 20_000, 2
-  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
-  result = decoding.run(_tree_speculative(budget=6, width=2, expand=2, depth=3, steps=3),
-                        target, tp, enc, draft=head, draft_params=hp, max_decode_len=max_len,
-                        sampling=sampling, rng=jax.random.PRNGKey(0), row_ids=np.arange(rows))
-  seqs = ex.testing.sequences(result)
-  per = len(seqs) // n_inputs
-  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
-  fit = ex.fit("eagle tree t5 T=1", groups, ex.target_laws("t5", n_inputs, sampling))
+  algo = _tree_speculative(budget=6, width=2, expand=2, depth=3, steps=3)
+  fit, result = ex.head_law_fit(algo, _random_head, "eagle tree t5 T=1")
   assert fit.p_value > ex.P_REJECT
   assert 0 < int(np.sum(result.stats.accepted)) < int(np.sum(result.stats.decisions))
 

@@ -157,14 +157,35 @@ def test_training_lowers_the_loss_and_raises_agreement(tmp_path):
   cfg = medusa.TrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
                            export_path=str(tmp_path / "heads"), num_heads=2, num_steps=40,
                            batch_size=16, learning_rate=1e-2, input_length=8, target_length=8,
-                           teacher_examples=64, eval_examples=32, log_every=20)
+                           teacher_examples=64, eval_examples=32, log_every=1)
   out = medusa.train(cfg, report=lambda msg: None, train_split=split, eval_split=split)
-  first, last = out["history"][0], out["history"][-1]
+  first, last = out["history"][0], out["history"][-1]  # after steps 1 and 40
   assert last["loss"] < first["loss"] - 0.05
   assert last["head2_agreement"] >= first["head2_agreement"]
   heads, params = medusa.load(str(tmp_path / "heads"))
   assert heads.num_heads == 2
   np.testing.assert_allclose(params["w"], out["params"]["w"], atol=0)
+
+
+def test_training_resumes_from_its_workdir(tmp_path):
+  import dataclasses
+
+  from spec_decode import checkpoints
+  target, tp = _target(vocab=32, seed=3)
+  checkpoints.save(str(tmp_path / "target"), target.config, tp, format="t5x")
+  split = train_data.TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  cfg = medusa.TrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
+                           num_heads=2, num_steps=2, batch_size=2, input_length=4,
+                           target_length=4, teacher_examples=2, eval_examples=2,
+                           workdir=str(tmp_path / "w"))
+  kw = dict(train_split=split, eval_split=split)
+  medusa.train(cfg, report=lambda s: None, **kw)
+  messages = []
+  more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "heads3"))
+  resumed = medusa.train(more, report=messages.append, **kw)
+  assert any("resumed from step 2" in m for m in messages)
+  heads, params = medusa.load(str(tmp_path / "heads3"))
+  np.testing.assert_array_equal(params["w"], np.asarray(resumed["params"]["w"]))
 
 
 @pytest.mark.parametrize("task", ["ende", "cnndm"])

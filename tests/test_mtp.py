@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 
 import exactness as ex
-from spec_decode import decoding, train_data
+from spec_decode import decoding
 from spec_decode.decoding.drafters.mtp import MtpDrafter
 from spec_decode.heads import mtp, train_mtp
 from spec_decode.models import t5
-from test_eagle import _CountingT5
+from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
 
-V, N, S, L, D = 8, 16, 6, 12, 3
+D = 3
 
 
 def _speculative(gamma=D):
@@ -38,18 +38,9 @@ def _speculative(gamma=D):
 
 @functools.lru_cache(maxsize=None)
 def _setup():
-  """A tiny target, a ragged batch, its greedy outputs, and D modules trained on them."""
-  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V))
-  tp = target.init(jax.random.PRNGKey(7))  # outputs of lengths 3 .. 12
-  rs = np.random.RandomState(31)
-  enc = rs.randint(2, V, (N, S)).astype(np.int32)
-  for row, n in enumerate(rs.randint(1, S + 1, N)):
-    enc[row, n:] = 0
-  ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
-  ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
-  split = train_data.TokenizedSplit(
-      tuple(tuple(int(t) for t in row[row > 0]) for row in enc),
-      tuple(tuple(int(t) for t in row[:n]) for row, n in zip(ar_tokens, ar_lengths)))
+  """test_eagle's tiny target, ragged batch and greedy outputs, and D modules trained on
+  them."""
+  target, tp, enc, ar_tokens, ar_lengths, split = tiny_target_and_split()
   cfg = train_mtp.MtpTrainConfig(num_modules=D, batch_size=16, num_steps=60, input_length=S,
                                  target_length=L, learning_rate=3e-3, warmup_steps=5,
                                  log_every=10, eval_every=1000, eval_examples=N)
@@ -89,20 +80,11 @@ def test_greedy_equals_autoregressive(trained, gamma):
 
 
 def test_sequence_law_is_exact_at_temperature_1():
-  models, enc_all, max_len = ex.family("t5")
-  target, tp = models["target"]
-  modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
-  params = modules.init(jax.random.PRNGKey(5))
-  sampling = decoding.Sampling(temperature=1.0)
-  rows, n_inputs = 20_000, 2
-  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
-  result = decoding.run(_speculative(gamma=2), target, tp, enc, draft=modules,
-                        draft_params=params, max_decode_len=max_len, sampling=sampling,
-                        rng=jax.random.PRNGKey(0), row_ids=np.arange(rows))
-  seqs = ex.testing.sequences(result)
-  per = len(seqs) // n_inputs
-  groups = [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
-  fit = ex.fit("mtp t5 T=1", groups, ex.target_laws("t5", n_inputs, sampling))
+  def random_modules(target):
+    modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
+    return modules, modules.init(jax.random.PRNGKey(5))
+
+  fit, result = ex.head_law_fit(_speculative(gamma=2), random_modules, "mtp t5 T=1")
   assert fit.p_value > ex.P_REJECT
   accepted, decisions = int(np.sum(result.stats.accepted)), int(np.sum(result.stats.decisions))
   assert 0 < accepted < decisions  # both acceptances and rejections happened

@@ -210,6 +210,7 @@ def loss_fn(heads: MedusaHeads, params, target: t5.T5, target_params, batch):
     weight_sum += HEAD_DECAY ** (k - 1)
   loss = total / weight_sum
   metrics["loss"] = loss
+  metrics["tokens"] = jnp.sum(batch["weights"])  # evaluations weight batches by it
   return loss, metrics
 
 
@@ -221,6 +222,8 @@ class TrainConfig:
   synthetic task ('synthetic_ende', 'synthetic_cnndm'). teacher_examples:
   training inputs the target decodes greedily (the heads' training targets).
   export_path: where `save` writes the heads (new or empty directory).
+  workdir: where the train state is checkpointed every save_every steps (Orbax);
+  a rerun with the same workdir resumes (batches are a function of the step).
   """
   target_checkpoint: str
   task: str
@@ -235,6 +238,9 @@ class TrainConfig:
   eval_examples: int = 128
   seed: int = 0
   log_every: int = 50
+  eval_every: int = 100
+  save_every: int = 100
+  workdir: str | None = None
 
 
 def _greedy_split(target, target_params, split, n: int, cfg: TrainConfig, report):
@@ -253,14 +259,16 @@ def _greedy_split(target, target_params, split, n: int, cfg: TrainConfig, report
 
 def train(cfg: TrainConfig, *, report: Callable[[str], None] = print, train_split=None,
           eval_split=None) -> dict[str, Any]:
-  """Trains heads for cfg.num_steps steps; returns {heads, params, history, eval, minutes}.
+  """Trains (or resumes from cfg.workdir) heads for cfg.num_steps steps in total; returns
+  {heads, params, history, eval, minutes} (history: the logged training metrics).
 
   train_split / eval_split (`train_data.TokenizedSplit`) override the task's
   inputs (tests pass tiny ones); either way the targets are the target's own
   greedy outputs.
   """
   import optax
-  from spec_decode import checkpoints, model_specs, train_data
+  from spec_decode import checkpoints, model_specs, train as train_lib
+  from spec_decode.heads import train_eagle
   if cfg.export_path and os.path.isdir(cfg.export_path) and os.listdir(cfg.export_path):
     raise ValueError(f"export_path {cfg.export_path} already holds files; remove it first")
   tcfg, tparams = checkpoints.load(model_specs.resolve_checkpoint(cfg.target_checkpoint),
@@ -280,43 +288,26 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print, train_spli
   params = heads.init()
   optimizer = optax.adamw(optax.cosine_decay_schedule(cfg.learning_rate, cfg.num_steps),
                           weight_decay=0.0)
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def step_fn(params, opt_state, batch):
-    (_, metrics), grads = jax.value_and_grad(
-        lambda p: loss_fn(heads, p, target, tparams, batch), has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, metrics
-
-  eval_fn = jax.jit(lambda p, b: loss_fn(heads, p, target, tparams, b)[1])
-  kw = dict(input_length=cfg.input_length, target_length=cfg.target_length)
-
-  def evaluate(p):
-    ms = [jax.device_get(eval_fn(p, b)) for b in train_data.eval_batches(
-        eval_split, batch_size=cfg.batch_size, **kw)]
-    return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
-
-  history = [dict(evaluate(params), step=0)]
-  report("step 0 eval " + json.dumps({k: round(v, 4) for k, v in history[0].items()}))
-  for step in range(cfg.num_steps):
-    batch = train_data.batch_at(train_split, step, batch_size=cfg.batch_size, seed=cfg.seed, **kw)
-    params, opt_state, metrics = step_fn(params, opt_state, batch)
-    if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.num_steps:
-      report(f"step {step + 1}/{cfg.num_steps} loss {float(metrics['loss']):.4f}")
-  final = dict(evaluate(params), step=cfg.num_steps)
-  history.append(final)
+  state = train_lib.TrainState(step=jnp.int32(0), params=params,
+                               opt_state=optimizer.init(params))
+  state, manager = train_lib.resume(state, cfg, report)
+  loss = lambda p, *, target_params, batch: loss_fn(heads, p, target, target_params, batch)
+  train_step, eval_step = train_eagle.make_steps(loss, optimizer)
+  state, history, final = train_lib.run_steps(
+      state, cfg, train_step=train_step, eval_step=eval_step, train_split=train_split,
+      eval_split=eval_split, frozen_params=tparams, manager=manager, report=report,
+      describe=lambda m: (f"loss {m['loss']:.4f} head1_agreement "
+                          f"{m['head1_agreement']:.3f}"))
   minutes = (time.time() - start) / 60
-  report("final eval " + json.dumps({k: round(v, 4) for k, v in final.items()})
-         + f" ({minutes:.1f} min)")
+  report(f"trained to step {int(state.step)} ({minutes:.1f} min)")
   if cfg.export_path:
-    save(cfg.export_path, heads, params, info={
+    save(cfg.export_path, heads, state.params, info={
         "target_checkpoint": cfg.target_checkpoint, "task": cfg.task, "steps": cfg.num_steps,
         "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
         "teacher_examples": cfg.teacher_examples, "minutes": round(minutes, 2),
         "eval": {k: round(v, 4) for k, v in final.items()}})
     report(f"saved Medusa heads to {cfg.export_path}")
-  return {"heads": heads, "params": params, "history": history, "eval": final,
+  return {"heads": heads, "params": state.params, "history": history, "eval": final,
           "minutes": minutes}
 
 
