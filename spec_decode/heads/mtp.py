@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.heads import eagle
@@ -118,7 +118,7 @@ class MtpModules(base.ParamSpecs):
     """
     module = self.module
     T = tokens_BT.shape[1]
-    padded = jax.numpy.pad(tokens_BT, ((0, 0), (0, self.num_modules)))
+    padded = jnp.pad(tokens_BT, ((0, 0), (0, self.num_modules)))
     h, states = features_BTD, []
     for k in range(1, self.num_modules + 1):
       h = module.forward(self.module_params(params, k), encoded, h,
@@ -134,7 +134,6 @@ class MtpModules(base.ParamSpecs):
     the states before it, caches holding `position` entries, and the LM head on each
     module's state at one position), divided by gamma."""
     from spec_decode import timing
-    jnp = jax.numpy
     encoded = target.encode(target_params, encoder_tokens)
     B, W = encoder_tokens.shape[0], 2 * gamma
     caches = [c.replace(lengths=jnp.full((B,), position, jnp.int32))

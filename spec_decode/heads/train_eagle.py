@@ -237,8 +237,6 @@ class HeadTrainResult:
   seconds: float
 
 
-EagleTrainResult = HeadTrainResult
-
 
 @dataclasses.dataclass(frozen=True)
 class HeadRecipe:
