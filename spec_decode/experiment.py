@@ -417,7 +417,7 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
           a.gamma for a in cfg.algorithms.values() if hasattr(a, "gamma"))
       draft_s = draft.token_seconds(s.target, s.target_params, dparams, enc, gamma=gamma,
                                     cache_length=length, position=cfg.decode_len // 2,
-                                    repeats=repeats)
+                                    repeats=repeats, compiler_options=cfg.compiler_options)
     else:
       if hasattr(draft, "drafting_decoder"):
         # A feature-level head (EAGLE): its drafting step through the target's LM head.

@@ -123,6 +123,13 @@ def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_lengt
   if not marginal:
     return timed(short, repeats=repeats, warmup=warmup).median / steps
   long = decode_loop(model, params, encoder_tokens, steps=2 * steps, **kw)
+  return _marginal_seconds(short, long, steps, repeats=repeats, warmup=warmup)
+
+
+def _marginal_seconds(short, long, steps: int, *, repeats: int, warmup: int) -> float:
+  """Seconds per step from zero-argument calls running `steps` and 2 * steps steps:
+  the median of interleaved (long - short) / steps, or, when noise makes it
+  non-positive, the longer call's per-step time (an upper bound)."""
   timed(short, repeats=1, warmup=warmup)
   timed(long, repeats=1, warmup=warmup)
   diffs, longs = [], []
@@ -156,25 +163,18 @@ def _jitted_steps(model, steps: int, mesh, rules, options=()):
   return jax.jit(_run, donate_argnums=1, compiler_options=dict(options) or None)
 
 
-def loop_seconds(fn, arg, *, steps: int = 8, repeats: int = 10) -> float:
-  """Marginal seconds of one `fn(arg)` call inside a jitted loop: loops of `steps` and
-  2 * steps calls, each call's input depending on the last output (fn must return an
-  array that broadcasts against arg), median over `repeats` differences."""
+def loop_seconds(fn, arg, *, steps: int = 8, repeats: int = 10, warmup: int = 2,
+                 compiler_options=None) -> float:
+  """Marginal seconds of one `fn(arg)` call inside a jitted loop (as `step_time`: loops of
+  `steps` and 2 * steps calls), each call's input depending on the last output (fn must
+  return an array that broadcasts against arg). compiler_options: as `decode_loop`'s (None:
+  the options the decoding loops compile with), so the loop costs what a step in them does."""
+  options = dict(compile_options.resolve(compiler_options))
 
   def make(k):
     def run(x):
       return jax.lax.fori_loop(0, k, lambda i, c: c + 1e-9 * fn(c), x)
-    return jax.jit(run)
+    loop = jax.jit(run, compiler_options=options or None)
+    return lambda: loop(arg)
 
-  short, long = make(steps), make(2 * steps)
-  jax.block_until_ready(short(arg))
-  jax.block_until_ready(long(arg))
-  diffs = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(short(arg))
-    t1 = time.perf_counter()
-    jax.block_until_ready(long(arg))
-    t2 = time.perf_counter()
-    diffs.append(((t2 - t1) - (t1 - t0)) / steps)
-  return max(statistics.median(diffs), 1e-9)
+  return _marginal_seconds(make(steps), make(2 * steps), steps, repeats=repeats, warmup=warmup)

@@ -25,7 +25,6 @@ import exactness as ex
 from spec_decode import decoding
 from spec_decode.decoding.drafters.mtp import MtpDrafter
 from spec_decode.heads import mtp, train_mtp
-from spec_decode.models import t5
 from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
 
@@ -181,18 +180,10 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
 
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_modules_config_and_shipped_modules(task):
-  import os
-
-  from gin_files import ROOT, configured
-  from spec_decode import checkpoints
-  cfg = configured(f"configs/demo/{task}_mtp.gin", train_mtp.MtpTrainConfig)
-  assert cfg.export_path == f"demo_models/{task}_mtp"
-  assert cfg.target_checkpoint == f"demo_models/{task}_target"
-  modules, params = mtp.load(os.path.join(ROOT, cfg.export_path))
+  from gin_files import shipped_head
+  cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig, mtp.load)
   assert modules.num_modules == cfg.num_modules
   modules.check_params(params)
-  tcfg, _ = checkpoints.load(os.path.join(ROOT, cfg.target_checkpoint), dtype="float32")
-  modules.check_target(t5.T5(tcfg))
 
 
 def test_token_seconds_of_the_heads_that_propose_several_tokens():

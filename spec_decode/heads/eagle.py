@@ -268,8 +268,8 @@ def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
 
 def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
   """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
-  return load_head(path, CONFIG_FILE, lambda d: EagleHead(EagleConfig.from_json(d)), "an EAGLE head",
-                   dtype=dtype)
+  return load_head(path, CONFIG_FILE, lambda d: EagleHead(EagleConfig.from_json(d)),
+                   "an EAGLE head", dtype=dtype)
 
 
 def save_head(path, head, params, config_file: str, *, step: int = 0, dtype=None) -> None:

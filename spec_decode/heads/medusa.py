@@ -118,7 +118,7 @@ class MedusaHeads:
 
 
   def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    repeats: int = 10, **unused) -> float:
+                    repeats: int = 10, compiler_options=None, **unused) -> float:
     """Marginal seconds per proposed token: one proposal of all K heads (what
     `MedusaDrafter` runs per target call) divided by gamma."""
     from spec_decode import timing
@@ -128,7 +128,8 @@ class MedusaHeads:
       logits = self.logits(params, target, target_params, h)
       return jnp.mean(logits, axis=(1, 2))[:, None]  # depends on every head's logits
 
-    return timing.loop_seconds(propose, hidden, repeats=repeats) / gamma
+    return timing.loop_seconds(propose, hidden, repeats=repeats,
+                               compiler_options=compiler_options) / gamma
 
 
 # ----------------------------------------------------------------------------- files

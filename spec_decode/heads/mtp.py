@@ -126,32 +126,42 @@ class MtpModules(base.ParamSpecs):
       states.append(h)
     return states
 
+  def window_step(self, params, k: int, cache, states_BWD, tokens_BW, at_B, target: t5.T5,
+                  target_params):
+    """Module k over a window of W positions (one drafting call of `MtpDrafter`):
+    (its states [B, W, D], its cache with lengths + W, the target's LM-head logits [B, V]
+    on its state at window slot at_B)."""
+    h, cache = self.module.step(self.module_params(params, k), cache, states_BWD,
+                                target.embed(target_params, tokens_BW))
+    h_at = jnp.take_along_axis(h, at_B[:, None, None], axis=1)
+    logits = target.logits_from_hidden(target_params, h_at.astype(target.config.dtype))
+    return h, cache, logits[:, 0]
 
   def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    position: int, cache_length: int, repeats: int = 10, **unused) -> float:
+                    position: int, cache_length: int, repeats: int = 10,
+                    compiler_options=None, **unused) -> float:
     """Marginal seconds per proposed token: one proposal of gamma tokens as
-    `MtpDrafter.propose` runs it (modules 1 .. gamma, each once over a 2 gamma window of
-    the states before it, caches holding `position` entries, and the LM head on each
-    module's state at one position), divided by gamma."""
+    `MtpDrafter.propose` runs it (`window_step` of modules 1 .. gamma over a 2 gamma
+    window, caches holding `position` entries), divided by gamma."""
     from spec_decode import timing
     encoded = target.encode(target_params, encoder_tokens)
     B, W = encoder_tokens.shape[0], 2 * gamma
     caches = [c.replace(lengths=jnp.full((B,), position, jnp.int32))
               for c in self.init_caches(params, encoded, cache_length + W, gamma)]
     tokens = jnp.ones((B, W), jnp.int32)
-    module = self.module
+    at = jnp.full((B,), gamma - 1, jnp.int32)
 
     def propose(h):
       out = 0.0
       for k in range(1, gamma + 1):
-        h, _ = module.step(self.module_params(params, k), caches[k - 1], h,
-                           target.embed(target_params, tokens))
-        logits = target.logits_from_hidden(target_params, h[:, gamma - 1:gamma])
-        out = out + jnp.mean(logits, axis=(1, 2))[:, None, None]
+        h, _, logits = self.window_step(params, k, caches[k - 1], h, tokens, at, target,
+                                        target_params)
+        out = out + jnp.mean(logits, axis=1)[:, None, None]
       return out
 
     feats = jnp.zeros((B, W, self.d_model), self.config.dtype)
-    return timing.loop_seconds(propose, feats, repeats=repeats) / gamma
+    return timing.loop_seconds(propose, feats, repeats=repeats,
+                               compiler_options=compiler_options) / gamma
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -95,22 +95,19 @@ class MtpDrafter(Drafter):
     if num > modules.num_modules:
       raise ValueError(f"gamma {num} exceeds the {modules.num_modules} MTP modules; use gamma <= "
                        f"{modules.num_modules}")
-    module = modules.module
     m, P = committed.length, state.boundary
     W = 2 * num
     # seq[:, i] = s_{P+i}: true up to s_m, the drafts written in as they are chosen.
     span = jnp.arange(W + num + 1)[None, :]
     seq = _tokens_at(committed, P[:, None] + span)
-    at = jnp.clip(m - 1 - P, 0, W - 1)[:, None, None]  # window slot of position m - 1
+    at = jnp.clip(m - 1 - P, 0, W - 1)  # window slot of position m - 1
     new_P = jnp.maximum(m - num + 1, 0)
     h = state.feats[:, :W]
     caches, xs, qs = list(state.caches), [], []
     for k in range(1, num + 1):
-      h, cache = module.step(modules.module_params(params, k), caches[k - 1], h,
-                             target.embed(tp, seq[:, k:k + W]))
+      h, cache, logits = modules.window_step(params, k, caches[k - 1], h, seq[:, k:k + W], at,
+                                             target, tp)
       caches[k - 1] = cache.rewind(new_P)
-      h_last = jnp.take_along_axis(h, at, axis=1)  # [B, 1, D]
-      logits = target.logits_from_hidden(tp, h_last.astype(target.config.dtype))[:, 0]
       if sampling.greedy:
         x, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
       else:
