@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from spec_decode.models import t5
+from spec_decode.models import offload, t5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,9 @@ class ModelSpec:
     instead of refusing it (recorded in config.json / results.json when set).
   allow_outside_paths: accept checkpoint metadata naming files outside the
     checkpoint directory (T5X TensorStore paths, HF index shards).
+  offload: t5 only: keep the parameters in host memory and stream them to the
+    device layer by layer inside each call (`models.offload`), for a model larger
+    than device memory (recorded in config.json / results.json when set).
   """
   kind: str = "t5"
   checkpoint: str | None = None
@@ -53,6 +56,7 @@ class ModelSpec:
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   allow_missing_chunks: bool = False
   allow_outside_paths: bool = False
+  offload: bool = False
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or not self.kind:
@@ -73,9 +77,12 @@ class ModelSpec:
         raise ValueError(f"ModelSpec.dtype {self.dtype!r} is not a dtype") from e
       if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"ModelSpec.dtype must be a floating dtype, got {self.dtype!r}")
-    for name in ("allow_missing_chunks", "allow_outside_paths"):
+    for name in ("allow_missing_chunks", "allow_outside_paths", "offload"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"ModelSpec.{name} must be True or False, got {getattr(self, name)!r}")
+    if self.offload and self.kind != "t5":
+      raise ValueError(f"ModelSpec.offload streams a T5's parameters from host memory; a "
+                       f"{self.kind!r} model cannot be offloaded (use kind='t5')")
     object.__setattr__(self, "config", dict(self.config))
     object.__setattr__(self, "options", dict(self.options))
 
@@ -92,7 +99,7 @@ class ModelSpec:
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
     d["checkpoint"] = None if self.checkpoint is None else os.fspath(self.checkpoint)
-    for name in ("allow_missing_chunks", "allow_outside_paths"):
+    for name in ("allow_missing_chunks", "allow_outside_paths", "offload"):
       if not d[name]:
         del d[name]  # recorded only when set, so older runs' config.json still match
     return d
@@ -197,20 +204,29 @@ def _load_t5(spec: ModelSpec, context: LoadContext) -> tuple[t5.T5, dict]:
     expected = t5.T5Config(**spec.config)
   if spec.checkpoint is None:
     model = t5.T5(expected.replace(dtype=jnp.dtype(spec.dtype or jnp.float32)))
-    return model, model.init(jax.random.PRNGKey(spec.seed))
+    return _offloaded(spec, model, model.init(jax.random.PRNGKey(spec.seed)))
   check_checkpoint(spec, context.role)
   path = resolve_checkpoint(spec.checkpoint)
   from spec_decode import checkpoints
   config, params = checkpoints.load(path, dtype=spec.dtype, mesh=context.mesh,
                                     allow_missing_chunks=spec.allow_missing_chunks,
-                                    allow_outside_paths=spec.allow_outside_paths)
+                                    allow_outside_paths=spec.allow_outside_paths,
+                                    host_memory=spec.offload)
   if expected is not None:
     diff = {f: (getattr(config, f), getattr(expected, f)) for f in _SHAPE_FIELDS
             if getattr(config, f) != getattr(expected, f)}
     if diff:
       raise ValueError(f"the {context.role} checkpoint {path} does not match the preset/config "
                        f"of its ModelSpec: (checkpoint, spec) = {diff}")
-  return t5.T5(config), params
+  return _offloaded(spec, t5.T5(config), params)
+
+
+def _offloaded(spec: ModelSpec, model: t5.T5, params) -> tuple[t5.T5, dict]:
+  """(model, params) as loaded, or streamed from host memory when `spec.offload` (a
+  checkpoint is read there directly: `to_host` then copies nothing)."""
+  if not spec.offload:
+    return model, params
+  return dataclasses.replace(model, stream_params=True), offload.to_host(params)
 
 
 def _load_ngram(spec: ModelSpec, context: LoadContext):

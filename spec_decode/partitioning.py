@@ -34,6 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from spec_decode.models import offload
+
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
@@ -225,11 +227,16 @@ def param_shardings(model, mesh: Mesh, rules: Rules | None = None, params=None):
 
   Uses `model.logical_axes()` and the abstract `model.param_shapes()`; a model
   without `logical_axes` (an n-gram table, say) gets every leaf replicated,
-  in which case `params` (or their shapes) must be given for the tree.
+  in which case `params` (or their shapes) must be given for the tree. A model
+  that streams its parameters from host memory (`stream_params`) gets them in
+  host memory (`offload.host_shardings`).
   """
   if hasattr(model, "logical_axes"):
     shapes = model.param_shapes() if params is None else params
-    return tree_shardings(model.logical_axes(), shapes, mesh, rules, model_units(model))
+    shardings = tree_shardings(model.logical_axes(), shapes, mesh, rules, model_units(model))
+    if getattr(model, "stream_params", False):
+      shardings = offload.host_shardings(shardings, params)
+    return shardings
   if params is None:
     raise ValueError(f"{type(model).__name__} has no logical_axes(); pass params= to "
                      "replicate them on the mesh")

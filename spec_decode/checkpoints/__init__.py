@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from spec_decode.checkpoints import hf, infer, orbax_ckpt, storage, t5x_legacy
@@ -57,7 +58,8 @@ def detect_format(path) -> str:
 
 def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
          rules=None, allow_missing_chunks: bool = False,
-         allow_outside_paths: bool = False) -> tuple[t5.T5Config, dict]:
+         allow_outside_paths: bool = False,
+         host_memory: bool = False) -> tuple[t5.T5Config, dict]:
   """(T5Config, params) from a checkpoint, parameters cast to `dtype`.
 
   config: expected configuration (checked against the stored shapes); default
@@ -71,6 +73,9 @@ def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
     (default: an error, since a partly copied checkpoint looks the same).
   allow_outside_paths: accept T5X TensorStore paths / HF index shard names
     that lead outside the checkpoint directory (default: refused).
+  host_memory: read the parameters straight into host memory (pinned_host, in
+    the mesh's layout when given), for `T5(stream_params=True)`: a model larger
+    than device memory never passes through the device.
   """
   if config is not None and not isinstance(config, t5.T5Config):
     raise CheckpointError(f"config must be a T5Config, got {type(config).__name__}")
@@ -92,7 +97,11 @@ def load(path, *, config: t5.T5Config | None = None, dtype=None, mesh=None,
   shardings = None
   if mesh is not None:
     from spec_decode import partitioning
-    shardings = flatten(partitioning.param_shardings(t5.T5(config), mesh, rules=rules))
+    shardings = flatten(partitioning.param_shardings(t5.T5(config, stream_params=host_memory),
+                                                     mesh, rules=rules))
+  elif host_memory:
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    shardings = {name: host for name in shapes}
   if fmt == "orbax":
     flat = orbax_ckpt.restore(path, list(shapes), dtype, shardings)
   else:

@@ -29,7 +29,7 @@ import numpy as np
 from spec_decode import compile_options, partitioning
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import DecodeResult, DecodeStats
-from spec_decode.models import base
+from spec_decode.models import base, offload
 
 
 def row_keys(rng: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
@@ -169,6 +169,19 @@ def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_id
   return encoder_tokens, int(max_decode_len), rng, row_ids
 
 
+def check_streamed_params(role: str, model, params) -> None:
+  """Raises ValueError when `model` streams its parameters from host memory
+  (`stream_params`) but some of `params` are not there: jit would hold them in
+  device memory, the very thing streaming avoids."""
+  if not getattr(model, "stream_params", False):
+    return
+  off = offload.off_host_paths(params)
+  if off:
+    raise ValueError(f"the {role} streams its parameters from host memory (stream_params=True) "
+                     f"but {len(off)} of its parameter arrays are not in host memory (e.g. "
+                     f"{off[0]}); place them with spec_decode.models.offload.to_host(params)")
+
+
 def _impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids, *,
           algorithm, target, draft, max_decode_len, sampling, mesh=None, rules=None,
           draft_rules=None) -> DecodeResult:
@@ -259,6 +272,8 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
       raise ValueError(f"{type(algorithm).__name__} uses no draft model; do not pass one")
     draft_encoder_tokens = None
   algorithm.check_models(target, draft)
+  check_streamed_params("target", target, target_params)
+  check_streamed_params("draft", draft, draft_params)
   if compiler_options is not None and mesh is not None:
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
   args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.models import base
+from spec_decode.models import base, offload
 
 Params = Mapping[str, Any]
 
@@ -240,12 +240,29 @@ def _write_rows(cache_BLNH, new_BTNH, offsets_B):
 
 @dataclasses.dataclass(frozen=True)
 class T5(base.ParamSpecs):
-  """A T5 model: pure functions of (params, inputs). Hashable, so jit-static."""
+  """A T5 model: pure functions of (params, inputs). Hashable, so jit-static.
+
+  stream_params: the parameters live in host memory (`offload.to_host`) and each
+    call moves every layer's weights (and the embedding, relative-position
+    tables, norms and LM head) to the device right before use, with one layer of
+    prefetch (`offload.fetch`), so a model larger than device memory runs. The
+    building blocks `cross_kv` and `decoder_layer` take device-resident layers.
+  """
   config: T5Config
+  stream_params: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.stream_params, bool):
+      raise ValueError(f"T5.stream_params must be True or False, got {self.stream_params!r}")
 
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size
+
+  def _get(self, tree, after):
+    """`tree` moved to device memory once `after` exists when streaming parameters, else
+    `tree` itself (see `offload.fetch`)."""
+    return offload.fetch(tree, after) if self.stream_params else tree
 
   # ------------------------------------------------------------------ params
   def _param_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], Any]]:
@@ -304,8 +321,8 @@ class T5(base.ParamSpecs):
     return self._embed(params, tokens)
 
   def _embed(self, params, tokens):
-    return jnp.take(params["token_embedder"]["embedding"], tokens, axis=0).astype(
-        self.config.dtype)
+    table_VD = self._get(params["token_embedder"]["embedding"], tokens)
+    return jnp.take(table_VD, tokens, axis=0).astype(self.config.dtype)
 
   def _project_heads(self, x_BTD, kernel_DK):
     c = self.config
@@ -347,18 +364,20 @@ class T5(base.ParamSpecs):
     x = self._embed(params, encoder_tokens)
     S = encoder_tokens.shape[1]
     pos = jnp.arange(S)
-    bias = self._relpos_bias(enc["relpos_bias"]["rel_embedding"], pos[None, :] - pos[:, None],
-                             bidirectional=True)[None]  # [1, N, S, S]
+    bias = self._relpos_bias(self._get(enc["relpos_bias"]["rel_embedding"], encoder_tokens),
+                             pos[None, :] - pos[:, None], bidirectional=True)[None]  # [1,N,S,S]
     attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (x.shape[0], S, S))
+    x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_encoder_layers):
-      p = enc[f"layers_{i}"]
+      p = self._get(enc[f"layers_{i}"], x_prev)
+      x_prev = x
       h = _rms_norm(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
       q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
       x = x + self._merge_heads(_attend(q, k, v, bias, attn_mask), a["out"]["kernel"])
       h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h)
-    x = _rms_norm(x, enc["encoder_norm"]["scale"], c.layer_norm_epsilon)
+    x = _rms_norm(x, self._get(enc["encoder_norm"]["scale"], x_prev), c.layer_norm_epsilon)
     return EncoderOutput(hidden=x, mask=mask_BS)
 
   # ---------------------------------------------------------------- decoder
@@ -374,7 +393,11 @@ class T5(base.ParamSpecs):
     B = encoded.hidden.shape[0]
     cross_k, cross_v = [], []
     for i in range(c.num_decoder_layers):
-      k, v = self.cross_kv(params["decoder"][f"layers_{i}"], encoded.hidden)
+      a = params["decoder"][f"layers_{i}"]["encoder_decoder_attention"]
+      kernels = {"encoder_decoder_attention": {n: a[n] for n in ("key", "value")}}
+      # Streamed, layer i's kernels wait for layer i - 2's K: one layer of prefetch.
+      k, v = self.cross_kv(self._get(kernels, encoded.hidden if i < 2 else cross_k[i - 2]),
+                           encoded.hidden)
       cross_k.append(k)
       cross_v.append(v)
     empty = jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
@@ -460,33 +483,44 @@ class T5(base.ParamSpecs):
     B, T = tokens.shape
     offsets = cache.lengths
     self_bias, self_mask = self.self_attention_geometry(
-        dec["relpos_bias"]["rel_embedding"], offsets, T, cache.max_length, positions, tree_mask)
+        self._get(dec["relpos_bias"]["rel_embedding"], tokens), offsets, T, cache.max_length,
+        positions, tree_mask)
     cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
                                   (B, T, cache.encoder_mask.shape[1]))
     x = self._embed(params, tokens)
     new_k, new_v = [], []
+    x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_decoder_layers):
-      x, k_all, v_all = self.decoder_layer(dec[f"layers_{i}"], x, cache.self_k[i],
-                                           cache.self_v[i], offsets, self_bias, self_mask,
-                                           cache.cross_k[i], cache.cross_v[i], cross_mask)
+      p = self._get(dec[f"layers_{i}"], x_prev)
+      x_prev = x
+      x, k_all, v_all = self.decoder_layer(p, x, cache.self_k[i], cache.self_v[i], offsets,
+                                           self_bias, self_mask, cache.cross_k[i],
+                                           cache.cross_v[i], cross_mask)
       new_k.append(k_all)
       new_v.append(v_all)
-    x = _rms_norm(x, dec["decoder_norm"]["scale"], c.layer_norm_epsilon)
-    return base.DecodeOutput(logits=self.logits_from_hidden(params, x),
+    norm, head = self._get((dec["decoder_norm"]["scale"], self._head_kernel(params)), x_prev)
+    x = _rms_norm(x, norm, c.layer_norm_epsilon)
+    return base.DecodeOutput(logits=self._logits(head, x),
                              cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
                                                  lengths=offsets + T),
                              hidden=x)
 
   def logits_from_hidden(self, params, x_BTD):
     """The LM head: final decoder states [B, T, D] -> float32 logits [B, T, V]."""
+    return self._logits(self._get(self._head_kernel(params), x_BTD), x_BTD)
+
+  def _head_kernel(self, params):
+    """The LM head's kernel: the token embedding [V, D] or logits_dense [D, V]."""
+    if self.config.logits_via_embedding:
+      return params["token_embedder"]["embedding"]
+    return params["decoder"]["logits_dense"]["kernel"]
+
+  def _logits(self, kernel, x_BTD):
     c = self.config
-    x = x_BTD
     if c.logits_via_embedding:
-      emb = params["token_embedder"]["embedding"].astype(c.dtype)
-      logits = jnp.einsum("BTD,VD->BTV", x, emb) / math.sqrt(c.emb_dim)
+      logits = jnp.einsum("BTD,VD->BTV", x_BTD, kernel.astype(c.dtype)) / math.sqrt(c.emb_dim)
     else:
-      kernel = params["decoder"]["logits_dense"]["kernel"]
-      logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(c.dtype))
+      logits = jnp.einsum("BTD,DV->BTV", x_BTD, kernel.astype(c.dtype))
     return logits.astype(jnp.float32)
 
   # ---------------------------------------------------------------- teacher forcing
