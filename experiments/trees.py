@@ -11,12 +11,12 @@ decoder per budget B (`TreeDrafter(budget=B, width, expand, depth, steps)` +
 tokens per target call, draft tokens per call, the identical fraction and the
 measured speedup of each. Then t(N) = T_verify(N) / T_p, the target scoring N
 new tokens in one call relative to one token, for N = 1 .. --max_tokens on
-this device (in a jitted loop, `timing.step_time`), and the budget that a
-Sequoia-style choice makes from these measurements:
-  argmax_B  tokens_per_call(B) / (draft seconds per call(B) / T_p + t(B + 1)),
-with the draft's seconds per call taken from the run (tree decode time minus
-the target's share is not separable here, so the measured speedup is the
-final word; the choice is reported next to it).
+this device (in a jitted loop, `timing.step_time`), q(N) the same for the draft,
+and the budget that a Sequoia-style choice makes from the draft's confidences:
+  argmax_B  E(B) / (q(depth + 1) + (steps - 1) q(B) + t(B + 1)),
+E(B) = 1 + the B largest node confidences per call of the largest tree run
+(`theory.tree_budget_choice`); the table sets E(B) and the predicted speedup next
+to the measured tokens per call and speedup of every budget run.
 Writes <results_dir>/trees.{md,csv,json}.
 """
 
@@ -58,8 +58,10 @@ def decoder_bindings(gamma: int, budgets: Sequence[int], width: int,
   return tuple(out)
 
 
-def verify_curve(setup: setups.Setup, max_tokens: int, repeats: int) -> dict[int, float]:
-  """{N: T_verify(N) / T_p} for N = 1, 2, 4, .. max_tokens on the run's first batch."""
+def verify_curves(setup: setups.Setup, max_tokens: int,
+                  repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+  """({N: T_verify(N) / T_p}, {N: T_q(N) / T_p}) for N = 1, 2, 4, .. max_tokens: the target
+  and the draft scoring N new tokens in one call, in target steps, on the run's first batch."""
   import jax.numpy as jnp
 
   from spec_decode import batching, timing
@@ -70,14 +72,27 @@ def verify_curve(setup: setups.Setup, max_tokens: int, repeats: int) -> dict[int
                                   input_length=cfg.feature_lengths["inputs"])
   sizes = sorted({1} | {2 ** k for k in range(1, max_tokens.bit_length())} | {max_tokens})
   length = cfg.decode_len + max(sizes) + 1
-  times = {n: timing.step_time(st.target, st.target_params, jnp.asarray(enc), num_tokens=n,
-                               cache_length=length, position=cfg.decode_len // 2,
-                               repeats=repeats) for n in sizes}
-  return {n: t / times[1] for n, t in times.items()}
+  times = {}
+  for role, model, params in (("target", st.target, st.target_params),
+                              ("draft", st.draft, st.draft_params)):
+    times[role] = {n: timing.step_time(model, params, jnp.asarray(enc), num_tokens=n,
+                                       cache_length=length, position=cfg.decode_len // 2,
+                                       repeats=repeats) for n in sizes}
+  t_p = times["target"][1]
+  return tuple({n: t / t_p for n, t in times[role].items()} for role in ("target", "draft"))
 
 
-def run(args) -> tuple[list[dict[str, Any]], dict[str, dict[int, float]]]:
-  rows, curves = [], {}
+def tree_draft_cost(shape: dict[str, int], draft_curve: dict[int, float]) -> float:
+  """`TreeDrafter`'s work per target call in target steps: its catch-up call of depth + 1
+  tokens and steps - 1 calls scoring the whole tree (budget tokens)."""
+  from spec_decode import theory
+  return (theory.interpolate_cost(draft_curve, shape["depth"] + 1)
+          + (shape["steps"] - 1) * theory.interpolate_cost(draft_curve, shape["budget"]))
+
+
+def run(args):
+  """(table rows, {task: (target curve, draft curve)}, {(task, t): budget choice})."""
+  rows, curves, choices = [], {}, {}
   for task in args.tasks:
     for temperature in args.temperatures:
       s = setups.experiment_setup(args.scale, task, "small", temperature=temperature,
@@ -90,14 +105,16 @@ def run(args) -> tuple[list[dict[str, Any]], dict[str, dict[int, float]]]:
       print(f"{task} t={temperature:g} -> {run_dir}", flush=True)
       summary = setups.run(s, run_dir, show_progress=args.progress)
       if task not in curves:
-        curves[task] = verify_curve(s, args.max_tokens, args.step_timing_repeats or 10)
+        curves[task] = verify_curves(s, args.max_tokens, args.step_timing_repeats or 10)
       t = summary["timing"]
       for name, d in summary["decoders"].items():
         budget = int(name[len("tree_b"):]) if name.startswith("tree_b") else None
-        draft_per_call = None
+        draft_per_call, mass_at = None, None
         if d.get("target_calls"):
           totals = _totals(run_dir, name)
           draft_per_call = totals["draft_tokens"] / totals["target_calls"]
+          if "draft_mass_at" in totals:
+            mass_at = [m / totals["target_calls"] for m in totals["draft_mass_at"]]
         rows.append({
             "task": task, "temperature": temperature, "decoder": name, "budget": budget,
             "tokens_per_call": d.get("tokens_per_target_call"),
@@ -105,34 +122,56 @@ def run(args) -> tuple[list[dict[str, Any]], dict[str, dict[int, float]]]:
             "hit_rate": d.get("alpha_observed"),
             "identical": d.get("identical_fraction"),
             "seconds": t[f"{name}_seconds"], "speedup": d.get("speedup_measured"),
-            "command": s.command(run_dir)})
-      _choose(rows, task, temperature, curves[task], t)
+            "draft_mass_at": mass_at, "command": s.command(run_dir)})
+      choices[(task, temperature)] = _choose(rows, task, temperature, *curves[task], args)
+  return rows, curves, choices
   return rows, curves
 
 
-def _totals(run_dir: str, name: str) -> dict[str, int]:
+def _totals(run_dir: str, name: str) -> dict[str, Any]:
+  """A decoder's counters summed over the run's examples (per-position ones elementwise)."""
+  import numpy as np
+
   from spec_decode import results
   rows = results.read_rows(os.path.join(run_dir, results.PREDICTIONS)).values()
   st = [r["decoders"][name]["stats"] for r in rows]
-  return {k: sum(x[k] for x in st) for k in ("draft_tokens", "target_calls")}
+  out = {k: sum(x[k] for x in st) for k in ("draft_tokens", "target_calls")}
+  if "draft_mass_at" in st[0]:
+    out["draft_mass_at"] = np.sum([x["draft_mass_at"] for x in st], axis=0).tolist()
+  return out
 
 
-def _choose(rows: list[dict], task: str, temperature: float, curve: dict[int, float],
-            timing: dict) -> None:
-  """Marks the budget the measured tokens/call and t(N) favour (Sequoia-style)."""
+def _choose(rows: list[dict], task: str, temperature: float, target_curve: dict[int, float],
+            draft_curve: dict[int, float], args) -> dict[str, Any] | None:
+  """The budget a Sequoia-style choice makes from the draft's confidences.
+
+  Tokens per call E(B) come from the largest-budget tree's confidences
+  (`theory.tree_budget_choice`), the costs from the measured t(N) of target and
+  draft; every B from the width up to the largest budget run is a candidate.
+  Each tree row gets its E(B), t(B + 1) and predicted speedup.
+  """
+  from spec_decode import theory
   trees = [r for r in rows if r["task"] == task and r["temperature"] == temperature
            and r["budget"] is not None]
-  sizes = sorted(curve)
+  big = max((r for r in trees if r["draft_mass_at"]), key=lambda r: r["budget"], default=None)
+  if big is None:
+    return None
+  cost = lambda b: tree_draft_cost(tree_shape(b, args.width, args.depth), draft_curve)
+  choice = theory.tree_budget_choice(big["draft_mass_at"], target_curve, cost,
+                                     budgets=range(args.width, big["budget"] + 1))
   for r in trees:
-    n = r["budget"] + 1
-    above = [k for k in sizes if k >= n]
-    ratio = curve[above[0]] if above else curve[sizes[-1]]
-    r["t_verify_ratio"] = ratio
-    r["predicted_rate"] = r["tokens_per_call"] / ratio if r["tokens_per_call"] else None
-  best = max((r for r in trees if r["predicted_rate"]), key=lambda r: r["predicted_rate"],
-             default=None)
-  for r in trees:
-    r["chosen"] = r is best
+    b = r["budget"]
+    r["t_verify_ratio"] = theory.interpolate_cost(target_curve, b + 1)
+    r["expected_tokens_conf"] = choice["expected_tokens"].get(b)
+    r["predicted_speedup"] = choice["speedup"].get(b)
+    r["chosen"] = b == choice["budget"]
+  measured = max(trees, key=lambda r: r["speedup"] or 0.0)
+  return {"budget": choice["budget"], "from_budget": big["budget"],
+          "expected_tokens": choice["expected_tokens"][choice["budget"]],
+          "cost": choice["cost"][choice["budget"]],
+          "predicted_speedup": choice["speedup"][choice["budget"]],
+          "best_measured_budget": measured["budget"], "best_measured_speedup": measured["speedup"],
+          "speedup_by_budget": {str(b): v for b, v in choice["speedup"].items()}}
 
 
 def parse_args(argv: Sequence[str]):
@@ -146,7 +185,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--depth", type=int, default=8)
   p.add_argument("--gamma", type=int, default=4, help="the chain's gamma")
   p.add_argument("--num_examples", type=int, default=20)
-  p.add_argument("--max_tokens", type=int, default=64, help="largest N of the t(N) curve")
+  p.add_argument("--max_tokens", type=int, default=1024, help="largest N of the t(N) curves")
   p.add_argument("--step_timing_repeats", type=int, default=10)
   p.add_argument("--demo_models", default=None)
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
@@ -161,6 +200,9 @@ def parse_args(argv: Sequence[str]):
   args.budgets = _common.parse_ints(args.budgets, "budgets")
   if args.width < 1 or args.depth < 1 or args.gamma < 1 or args.max_tokens < 1:
     p.error("--width, --depth, --gamma and --max_tokens must be >= 1")
+  if args.max_tokens < max(args.budgets) + 1:
+    p.error(f"--max_tokens {args.max_tokens} must cover the largest verify call, "
+            f"{max(args.budgets) + 1} tokens (the largest budget + 1)")
   return args
 
 
@@ -169,39 +211,61 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   args = parse_args(argv)
   meta = _common.new_meta("experiments.trees", argv, **{
       k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
-  rows, curves = run(args)
+  rows, curves, choices = run(args)
   _common.finish_meta(meta)
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("task", "task"), Column("temperature", "t", lambda v: f"{v:g}"),
           Column("decoder", "decoder"),
           Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
+          Column("expected_tokens_conf", "E(B) from confidences", lambda v: fmt(v, 2)),
           Column("draft_tokens_per_call", "draft tokens/call", lambda v: fmt(v, 1)),
           Column("hit_rate", "hit rate", lambda v: fmt(v, 3)),
           Column("t_verify_ratio", "t(B+1)", lambda v: fmt(v, 2)),
+          Column("predicted_speedup", "speedup (predicted)", x),
           Column("chosen", "chosen B", lambda v: "<-" if v else ""),
           Column("identical", "= baseline", lambda v: fmt(v, 2)),
           Column("speedup", "speedup (measured)", x)]
-  curve_md = ["", "t(N) = T_verify(N) / T_p on this device (target, batch 1):", "",
-              "| task | " + " | ".join(f"N={n}" for n in sorted(next(iter(curves.values()))))
-              + " |", "|---|" + "---|" * len(next(iter(curves.values())))]
-  for task, curve in curves.items():
-    curve_md.append(f"| {task} | " + " | ".join(f"{curve[n]:.2f}" for n in sorted(curve))
-                    + " |")
+  sizes = sorted(next(iter(curves.values()))[0])
+  curve_md = ["", "t(N) = T_verify(N) / T_p and q(N) = T_q(N) / T_p on this device (batch 1; "
+              "the target's and the draft's cost of scoring N new tokens in one call, in "
+              "target steps):", "",
+              "| task | model | " + " | ".join(f"N={n}" for n in sizes) + " |",
+              "|---|---|" + "---|" * len(sizes)]
+  for task, pair in curves.items():
+    for label, curve in zip(("target t(N)", "draft q(N)"), pair):
+      curve_md.append(f"| {task} | {label} | " + " | ".join(f"{curve[n]:.2f}" for n in sizes)
+                      + " |")
+  choice_md = ["", "Budget chosen from the draft's confidences (every B from the width to the "
+               "largest budget run is a candidate):", "",
+               "| task | t | chosen B | E(B) | cost (target steps) | predicted speedup | "
+               "best measured B | its measured speedup |", "|---|---|---|---|---|---|---|---|"]
+  for (task, temperature), c in choices.items():
+    if c:
+      choice_md.append(f"| {task} | {temperature:g} | {c['budget']} | "
+                       f"{c['expected_tokens']:.2f} | {c['cost']:.2f} | "
+                       f"{c['predicted_speedup']:.2f}X | {c['best_measured_budget']} | "
+                       f"{fmt(c['best_measured_speedup'], 2, 'X')} |")
   notes = [f"{args.scale} scale, draft small, {args.num_examples} test examples per task, "
            f"batch 1; chain gamma {args.gamma}; trees width {args.width}, depth <= "
            f"{args.depth} (`experiments.trees.tree_shape` gives expand/steps per budget). One "
            "spec_decode.main run per (task, temperature): every decoder decodes the same "
            "examples (commands in the JSON rows).",
            "hit rate: the fraction of the target's draws that landed on a drafted child "
-           "(the chain's: its acceptance rate). chosen B: the budget maximizing "
-           "tokens/call / t(B+1) (a Sequoia-style choice from measured values; it ignores "
-           "the draft's cost, which the measured speedup includes)."]
-  paths = _common.write_outputs(args.results_dir, "trees",
-                                title=f"Tree speculation vs chain ({args.scale} scale)",
-                                columns=cols, rows=rows, meta=meta, notes=notes,
-                                extra_md="\n".join(curve_md) + "\n",
-                                extra={"verify_curve": {t: {str(n): v for n, v in c.items()}
-                                                        for t, c in curves.items()}})
+           "(the chain's: its acceptance rate).",
+           "E(B) from confidences: 1 + the sum of the B largest node confidences (the draft's "
+           "own path probabilities) per call, averaged over the largest-budget tree's calls "
+           "(`DecodeStats.draft_mass_at`); it stands in for tokens/call before any other "
+           "budget is run. speedup (predicted) = E(B) / (draft cost(B) + t(B+1)), draft "
+           "cost(B) = q(depth+1) + (steps-1) q(B) (`theory.tree_budget_choice`); chosen B "
+           "maximizes it. The prediction charges no loop overhead, so it bounds the "
+           "measured speedup from above when the loop's own work matters."]
+  paths = _common.write_outputs(
+      args.results_dir, "trees", title=f"Tree speculation vs chain ({args.scale} scale)",
+      columns=cols, rows=rows, meta=meta, notes=notes,
+      extra_md="\n".join(curve_md + choice_md) + "\n",
+      extra={"verify_curve": {t: {str(n): v for n, v in c[0].items()} for t, c in curves.items()},
+             "draft_curve": {t: {str(n): v for n, v in c[1].items()} for t, c in curves.items()},
+             "budget_choice": {f"{t}_t{temp:g}": c for (t, temp), c in choices.items()}})
   print(open(paths["md"], encoding="utf-8").read())
   return paths
 

@@ -21,7 +21,7 @@ of this checkout's path>, so checkouts and users never share one):
                      length, its batch's seconds and its named counters
                      (speculative: target_calls, draft_tokens, accepted,
                      decisions, min_pq_sum, accepted_at/decided_at per draft
-                     position); appended after every batch
+                     position; trees also draft_mass_at); appended after every batch
   config.json        the experiment's settings (a rerun must match them)
   progress.json      completed / total examples
   results.json       metrics of every decoder (BLEU or ROUGE); per decoder

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, heads, paper_tables,
-                         peers, reproduce, results_readme, setups, trees)
+                         peers, reproduce, results_readme, setups, trees,
+                         verify_scaling)
 from spec_decode import decoding, theory
 from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
@@ -321,18 +322,38 @@ def test_batch_scaling_tiny(out):
 
 def test_trees_tiny(out):
   paths = trees.main(["--scale", "tiny", "--tasks", "ende", "--temperatures", "1",
-                      "--budgets", "4", "--num_examples", "2", "--max_tokens", "4",
+                      "--budgets", "2,4", "--num_examples", "2", "--max_tokens", "8",
                       "--step_timing_repeats", "2", "--results_dir", out["results"],
                       "--runs_dir", out["runs"]])
   res = _json(paths["json"])
-  assert [r["decoder"] for r in res["rows"]] == ["chain_g4", "tree_b4"]
+  assert [r["decoder"] for r in res["rows"]] == ["chain_g4", "tree_b2", "tree_b4"]
   run = _json(os.path.join(out["runs"], "tiny", "ende_t1", "results.json"))
   for r in res["rows"]:
     d = run["decoders"][r["decoder"]]
     assert r["speedup"] == d["speedup_measured"] and r["tokens_per_call"] >= 1
   assert run["experiment"]["decoders"]["tree_b4"]["drafter"]["budget"] == 4
-  assert set(res["verify_curve"]["ende"]) == {"1", "2", "4"}
-  assert res["rows"][1]["chosen"] and res["rows"][1]["t_verify_ratio"] > 0
+  for curve in ("verify_curve", "draft_curve"):
+    assert set(res[curve]["ende"]) == {"1", "2", "4", "8"}
+  # the budget choice reads the largest tree's confidences: E(B) = 1 + their prefix sums
+  choice = res["budget_choice"]["ende_t1"]
+  assert choice["from_budget"] == 4 and choice["budget"] in (2, 3, 4)
+  mass = res["rows"][2]["draft_mass_at"]
+  assert len(mass) == 4 and all(a >= b for a, b in zip(mass, mass[1:]))
+  for r in res["rows"][1:]:
+    assert r["expected_tokens_conf"] == pytest.approx(1 + sum(mass[:r["budget"]]))
+    assert r["t_verify_ratio"] > 0 and r["predicted_speedup"] > 0
+  assert sum(r["chosen"] for r in res["rows"][1:]) == (choice["budget"] != 3)
+
+
+def test_verify_scaling_tiny(out):
+  paths = verify_scaling.main(["--models", "t5_1_1_tiny", "--tokens", "3", "--repeats", "1",
+                               "--results_dir", out["results"]])
+  res = _json(paths["json"])
+  (row,) = res["rows"]
+  assert row["compiler"] == "project" and row["params"] > 0 and row["t_p_ms"] > 0
+  assert set(row["ratios"]) == {"1", "3"} and row["ratios"]["1"] == 1.0
+  with pytest.raises(SystemExit):
+    verify_scaling.main(["--models", "", "--results_dir", out["results"]])
 
 
 def test_results_readme(out):

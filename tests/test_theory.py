@@ -205,7 +205,30 @@ def test_lenient_acceptance():
     (lambda: theory.alpha_from_distributions([1.5, -0.5], [0.5, 0.5]), ">= 0"),
     (lambda: theory.acceptance_probability([1.0, 0], [0.5, 0.5], lenience=0.0), "lenience"),
     (lambda: theory.acceptance_probability([1.0, 0], [0.5, 0.5], lenience=1.5), "lenience"),
+    (lambda: theory.interpolate_cost({1: 1.0, 4: 2.0}, 5), "outside the measured cost curve"),
+    (lambda: theory.interpolate_cost({}, 1), "empty"),
+    (lambda: theory.tree_budget_choice([0.5, 1.5], {1: 1.0, 4: 2.0}, lambda b: 0.1), "mass_at"),
+    (lambda: theory.tree_budget_choice([0.5, 0.2], {1: 1.0, 4: 2.0}, lambda b: 0.1,
+                                       budgets=[3]), r"budgets must lie in \[1, 2\]"),
+    (lambda: theory.tree_budget_choice([0.5, 0.2], {1: 1.0, 2: 1.5}, lambda b: 0.1),
+     "outside the measured cost curve"),
 ])
 def test_bad_inputs(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_tree_budget_choice_by_hand():
+  # E(B) = 1 + cumsum(mass) = 1.9, 2.4, 2.7, 2.8; t(5) interpolates between t(4) and t(8);
+  # cost = 0.1 B + t(B + 1) = 1.3, 1.6, 1.9, 2.35; speedup 1.46, 1.50, 1.42, 1.19.
+  curve = {1: 1.0, 2: 1.2, 4: 1.6, 8: 3.0}
+  c = theory.tree_budget_choice([0.9, 0.5, 0.3, 0.1], curve, lambda b: 0.1 * b)
+  np.testing.assert_allclose([c["expected_tokens"][b] for b in (1, 2, 3, 4)],
+                             [1.9, 2.4, 2.7, 2.8])
+  np.testing.assert_allclose([c["cost"][b] for b in (1, 2, 3, 4)], [1.3, 1.6, 1.9, 2.35])
+  assert c["budget"] == 2 and c["speedup"][2] == pytest.approx(1.5)
+  # a free verify makes the largest tree best; candidates can be restricted
+  flat = {1: 1.0, 8: 1.0}
+  assert theory.tree_budget_choice([0.9, 0.5, 0.3, 0.1], flat, lambda b: 0.0)["budget"] == 4
+  assert theory.tree_budget_choice([0.9, 0.5, 0.3, 0.1], flat, lambda b: 0.0,
+                                   budgets=[1, 3])["budget"] == 3

@@ -60,6 +60,22 @@ def test_drafted_tree_is_a_connected_subtree_within_budget():
       kids = tok[b][valid & (par[b] == parent)]
       assert len(set(kids.tolist())) == len(kids)
   assert np.all(np.asarray(state.held) == 1)
+  # Confidence: the draft's law (t = 1: its softmax) multiplied along each node's path,
+  # recomputed by teacher-forcing the path after BOS; 0 for padding.
+  conf = np.asarray(prop.confidence)
+  for b in range(3):
+    for i in range(conf.shape[1]):
+      if par[b, i] < -1:
+        assert conf[b, i] == 0
+        continue
+      path, j = [], i
+      while j >= 0:
+        path.insert(0, int(tok[b, j]))
+        j = int(par[b, j])
+      logits = draft.forward(dp, enc[b:b + 1], np.array([[0] + path[:-1]], np.int32))[0]
+      laws = np.asarray(jax.nn.softmax(logits, axis=-1))
+      want = np.prod([laws[k, t] for k, t in enumerate(path)])
+      np.testing.assert_allclose(conf[b, i], want, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kw", [dict(budget=6, width=2, expand=2, depth=3, steps=3),
@@ -119,6 +135,26 @@ def test_tree_sampling_is_exact(sampling):
   acc, dec = np.asarray(r.stats.accepted).sum(), np.asarray(r.stats.decisions).sum()
   beta = np.asarray(r.stats.min_pq_sum).sum()
   assert abs(acc - beta) < 4 * np.sqrt(dec * 0.25), (acc, beta, dec)
+
+
+def test_confidence_estimates_tokens_per_call_when_the_draft_is_the_target():
+  # With q = p, a node's confidence is the probability that the target's walk reaches it,
+  # so the proposal's confidences sum (draft_mass_at) to the expected number of accepted
+  # nodes: per-row totals agree up to noise. With the far draft they need not.
+  target, tp, far, fp = _markov()
+  enc = np.repeat(MK_ENC, 2000, axis=0)
+  algo = _tree_algo(budget=6, width=2, expand=2, depth=3, steps=3)
+  z = {}
+  for name, (draft, dp) in {"self": (target, tp), "far": (far, fp)}.items():
+    r = decoding.run(algo, target, tp, enc, draft=draft, draft_params=dp, max_decode_len=MK_L,
+                     sampling=decoding.Sampling(temperature=1.0), rng=jax.random.PRNGKey(6))
+    mass = np.asarray(r.stats.draft_mass_at)
+    assert np.all(np.diff(mass, axis=1) <= 1e-6)  # largest first
+    d = np.asarray(r.stats.accepted) - mass.sum(axis=1)
+    z[name] = d.mean() / (d.std() / np.sqrt(len(d)))
+  print("confidence vs accepted, z:", z)
+  assert abs(z["self"]) < 4, z
+  assert abs(z["far"]) > 4, z
 
 
 @registry.verifier("tree_wrong_extra_for_tests")

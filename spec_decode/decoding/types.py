@@ -35,6 +35,11 @@ class DecodeStats:
                 paper's beta (Cor. 3.6); `min_pq_sum / decisions` estimates alpha.
   accepted_at:  [B, K] how often draft position i (0-based) was accepted.
   decided_at:   [B, K] how often it was decided.
+  draft_mass_at: [B, K] float32, only with drafters that report confidences (trees):
+                summed over target calls, the i-th largest node confidence of the
+                proposal (`Proposal.confidence`); 1 + the sum of its first B
+                entries / target_calls is the draft's own estimate of tokens per
+                call of a budget-B tree (`theory.tree_budget_choice`).
   """
   counters: Mapping[str, jax.Array]
 
@@ -89,11 +94,19 @@ class Proposal:
          (a drafter with nothing to propose yet, e.g. EAGLE before the first
          target feature) makes the verify call a plain step: the extra token
          is drawn from p at the root.
+  confidence [B, K] float32 or None: the draft's own probability of reaching
+         node i (its law multiplied along the path from the root; 0 for
+         padding), from drafters that report it (`Drafter.reports_confidence`).
+         Under SpecExec's rule a node is reached with the TARGET's path
+         probability, so 1 + the sum of the B largest confidences estimates the
+         tokens per call of a budget-B tree from the draft alone (see
+         `theory.tree_budget_choice`).
   """
   tokens: jax.Array
   q: Any
   parent: jax.Array
   length: Any = None
+  confidence: Any = None
 
   @property
   def size(self) -> int:

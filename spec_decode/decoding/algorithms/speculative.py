@@ -106,9 +106,10 @@ class Speculative(runner.Algorithm):
 
   def init_stats(self, batch_size: int) -> DecodeStats:
     i, f, K = jnp.int32, jnp.float32, (self.max_proposal,)
+    extra = {"draft_mass_at": (K, f)} if self.drafter.reports_confidence else {}
     return DecodeStats.zeros(batch_size, target_calls=((), i), draft_tokens=((), i),
                              accepted=((), i), decisions=((), i), min_pq_sum=((), f),
-                             accepted_at=(K, i), decided_at=(K, i))
+                             accepted_at=(K, i), decided_at=(K, i), **extra)
 
   def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float]:
     """Thm 3.8 (verify cost = one step) and the cost model charging the measured verify cost."""
@@ -179,10 +180,13 @@ class Speculative(runner.Algorithm):
       decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]
       accepted_at = (j[:, :K] < n[:, None]) & active[:, None]
       a = active.astype(jnp.int32)
+      extra = {}
+      if self.drafter.reports_confidence:  # the proposal's confidences, largest first
+        extra["draft_mass_at"] = -jnp.sort(-proposal.confidence, axis=1) * a[:, None]
       stats = s.stats.add(target_calls=a, draft_tokens=proposal.proposed * a, accepted=n * a,
                           decisions=verdict.decided * a,
                           min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
-                          accepted_at=accepted_at, decided_at=decided_at)
+                          accepted_at=accepted_at, decided_at=decided_at, **extra)
       return _State(it=s.it + 1, out=out_tokens, length=new_length, done=done,
                     target_cache=target_cache, draft=draft_state, stats=stats)
 

@@ -27,8 +27,11 @@ from spec_decode.decoding.types import Committed, Proposal, Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """Base class; see the module doc. proposes_trees: whether proposals may branch."""
+  """Base class; see the module doc. proposes_trees: whether proposals may branch.
+  reports_confidence: whether proposals carry `Proposal.confidence` (the speculative
+  loop then counts `draft_mass_at`)."""
   proposes_trees = False
+  reports_confidence = False
 
   def proposal_size(self, gamma: int) -> int:
     """K, the most tokens one proposal holds (a chain: gamma)."""

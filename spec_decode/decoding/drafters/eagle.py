@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters import Drafter
-from spec_decode.decoding.drafters.tree import TreeDrafter
+from spec_decode.decoding.drafters.tree import TreeDrafter, confidence
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal
 from spec_decode.heads import eagle
@@ -152,9 +152,11 @@ class EagleTreeDrafter(TreeDrafter):
 
     B, N = m.shape[0], self.budget
     feats = jnp.zeros((B, N, head.d_model), head.config.dtype)
-    tok, par, _ = self.grow(ctx.sampling, lm(root_feature[:, None])[:, 0], score, feats)
+    tok, par, _, path_lp = self.grow(ctx.sampling, lm(root_feature[:, None])[:, 0], score,
+                                     feats)
     par = jnp.where(committed.it == 0, -2, par)  # no target feature yet: an empty tree
-    return Proposal(tokens=tok, q=None, parent=par), state
+    conf = jnp.where(par >= -1, confidence(path_lp), 0.0)
+    return Proposal(tokens=tok, q=None, parent=par, confidence=conf), state
 
   def commit(self, ctx, state: EagleState, committed: Committed, verdict, proposal):
     hidden = committed.target_hidden  # [B, K + 1, D] at [s_m, node 0 .. K - 1]

@@ -61,6 +61,12 @@ def catch_up(ctx, state: TreeState, committed: Committed, depth: int):
   return root_logits, ctx.constrain_cache(out.cache.rewind(m + 1), "draft")
 
 
+def confidence(path_lp):
+  """[B, N] the draft's probability of each node's path (0 for padding) from its path
+  log-probabilities (-inf for padding): `Proposal.confidence`."""
+  return jnp.where(jnp.isfinite(path_lp), jnp.exp(path_lp), 0.0).astype(jnp.float32)
+
+
 @registry.drafter("tree")
 @dataclasses.dataclass(frozen=True)
 class TreeDrafter(Drafter):
@@ -72,6 +78,7 @@ class TreeDrafter(Drafter):
   depth: int = 6
   steps: int = 4
   proposes_trees = True
+  reports_confidence = True
 
   def __post_init__(self):
     for name in ("budget", "width", "expand", "depth", "steps"):
@@ -105,12 +112,13 @@ class TreeDrafter(Drafter):
       out = draft.decode(params, cache, tok, positions=m[:, None] + depth, tree_mask=mask)
       return out.logits, carry
 
-    tok, par, _ = self.grow(ctx.sampling, root_logits, score, None)
-    proposal = Proposal(tokens=tok, q=None, parent=par)
+    tok, par, _, path_lp = self.grow(ctx.sampling, root_logits, score, None)
+    proposal = Proposal(tokens=tok, q=None, parent=par, confidence=confidence(path_lp))
     return proposal, TreeState(cache=cache, held=m + 1)
 
   def grow(self, sampling, root_logits, score, carry):
-    """(tokens [B, N], parents [B, N], carry) of the best-first tree (see the module doc).
+    """(tokens [B, N], parents [B, N], carry, path log-probabilities [B, N]) of the
+    best-first tree (see the module doc); padding nodes have log-probability -inf.
 
     root_logits [B, V]: the draft's logits at the root. score(tokens, parents, depths
     [B, N], ancestor mask [B, N, N], carry) -> (logits [B, N, V] at every node, carry):
@@ -174,4 +182,4 @@ class TreeDrafter(Drafter):
                       jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1), old_par)
       par = jnp.where(jnp.isfinite(score_), par, -2).astype(jnp.int32)
       tok = jnp.where(jnp.isfinite(score_), tok, 0)
-    return tok.astype(jnp.int32), par, carry
+    return tok.astype(jnp.int32), par, carry, score_
