@@ -71,13 +71,16 @@ def verify_curves(setup: setups.Setup, max_tokens: int,
                                   batch_size=cfg.batch_size,
                                   input_length=cfg.feature_lengths["inputs"])
   sizes = sorted({1} | {2 ** k for k in range(1, max_tokens.bit_length())} | {max_tokens})
-  length = cfg.decode_len + max(sizes) + 1
   times = {}
   for role, model, params in (("target", st.target, st.target_params),
                               ("draft", st.draft, st.draft_params)):
+    # Each N at the cache size a decoder verifying N tokens allocates (decode_len + N + 1
+    # slots): this implementation attends over the whole cache under a mask, so one long
+    # cache for every N would inflate T_p and flatten the small-N ratios.
     times[role] = {n: timing.step_time(model, params, jnp.asarray(enc), num_tokens=n,
-                                       cache_length=length, position=cfg.decode_len // 2,
-                                       repeats=repeats) for n in sizes}
+                                       cache_length=cfg.decode_len + n + 1,
+                                       position=cfg.decode_len // 2, repeats=repeats)
+                   for n in sizes}
   t_p = times["target"][1]
   return tuple({n: t / t_p for n, t in times[role].items()} for role in ("target", "draft"))
 
@@ -109,14 +112,17 @@ def run(args):
       t = summary["timing"]
       for name, d in summary["decoders"].items():
         budget = int(name[len("tree_b"):]) if name.startswith("tree_b") else None
-        draft_per_call, mass_at = None, None
+        draft_per_call, mass_at, calls = None, None, None
         if d.get("target_calls"):
           totals = _totals(run_dir, name)
+          calls = totals["target_calls"]
           draft_per_call = totals["draft_tokens"] / totals["target_calls"]
           if "draft_mass_at" in totals:
             mass_at = [m / totals["target_calls"] for m in totals["draft_mass_at"]]
         rows.append({
             "task": task, "temperature": temperature, "decoder": name, "budget": budget,
+            "steps_per_call": (t[f"{name}_seconds"] / calls / t["target_step_seconds"]
+                               if calls else None),
             "tokens_per_call": d.get("tokens_per_target_call"),
             "draft_tokens_per_call": draft_per_call,
             "hit_rate": d.get("alpha_observed"),
@@ -125,7 +131,6 @@ def run(args):
             "draft_mass_at": mass_at, "command": s.command(run_dir)})
       choices[(task, temperature)] = _choose(rows, task, temperature, *curves[task], args)
   return rows, curves, choices
-  return rows, curves
 
 
 def _totals(run_dir: str, name: str) -> dict[str, Any]:
@@ -222,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("hit_rate", "hit rate", lambda v: fmt(v, 3)),
           Column("t_verify_ratio", "t(B+1)", lambda v: fmt(v, 2)),
           Column("predicted_speedup", "speedup (predicted)", x),
+          Column("steps_per_call", "measured cost/call (steps)", lambda v: fmt(v, 1)),
           Column("chosen", "chosen B", lambda v: "<-" if v else ""),
           Column("identical", "= baseline", lambda v: fmt(v, 2)),
           Column("speedup", "speedup (measured)", x)]
@@ -257,8 +263,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "(`DecodeStats.draft_mass_at`); it stands in for tokens/call before any other "
            "budget is run. speedup (predicted) = E(B) / (draft cost(B) + t(B+1)), draft "
            "cost(B) = q(depth+1) + (steps-1) q(B) (`theory.tree_budget_choice`); chosen B "
-           "maximizes it. The prediction charges no loop overhead, so it bounds the "
-           "measured speedup from above when the loop's own work matters."]
+           "maximizes it. The prediction charges no loop overhead. measured cost/call: the "
+           "decoder's seconds / its target calls / T_p (the run's own marginal target step); "
+           "the gap to draft cost(B) + t(B+1) is the loop's own work per iteration."]
   paths = _common.write_outputs(
       args.results_dir, "trees", title=f"Tree speculation vs chain ({args.scale} scale)",
       columns=cols, rows=rows, meta=meta, notes=notes,
