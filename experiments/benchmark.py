@@ -44,8 +44,10 @@ from experiments._common import Column, fmt, fmt_spread
 from spec_decode import batching, metrics, timing
 
 
-def _model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
-                role: str):
+def model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
+               role: str):
+  """The ModelSpec of a --target/--draft argument: demo:<name> (a shipped demo model), a T5
+  preset (random weights, `config` JSON overrides) or a checkpoint path."""
   from spec_decode.model_specs import ModelSpec
   from spec_decode.models import t5
   overrides = json.loads(config) if config else {}
@@ -152,8 +154,8 @@ def run(args) -> dict[str, Any]:
   from spec_decode import partitioning
   from spec_decode.model_specs import LoadContext, load
   mesh = partitioning.make_mesh(args.mesh) if args.mesh else None
-  tspec = _model_spec(args.target, args.target_config, args.dtype, 0, args.vocab_size, "target")
-  dspec = _model_spec(args.draft, args.draft_config, args.dtype, 1, args.vocab_size, "draft")
+  tspec = model_spec(args.target, args.target_config, args.dtype, 0, args.vocab_size, "target")
+  dspec = model_spec(args.draft, args.draft_config, args.dtype, 1, args.vocab_size, "draft")
   target, tparams = load(tspec, LoadContext("target", mesh=mesh))
   draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size, mesh=mesh))
   inputs = _inputs(args, target.vocab_size)

@@ -98,10 +98,10 @@ def run(args) -> dict[str, Any]:
   import torch
   from spec_decode import checkpoints
   from spec_decode.model_specs import LoadContext, load
-  tspec = benchmark._model_spec(args.target, args.target_config, "float32", 0, args.vocab_size,
-                                "target")
-  dspec = benchmark._model_spec(args.draft, args.draft_config, "float32", 1, args.vocab_size,
-                                "draft")
+  tspec = benchmark.model_spec(args.target, args.target_config, "float32", 0, args.vocab_size,
+                               "target")
+  dspec = benchmark.model_spec(args.draft, args.draft_config, "float32", 1, args.vocab_size,
+                               "draft")
   target, tparams = load(tspec, LoadContext("target"))
   draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size))
   inputs = benchmark._inputs(args, target.vocab_size)

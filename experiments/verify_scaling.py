@@ -40,7 +40,7 @@ def measure(args) -> list[dict[str, Any]]:
   option_sets = [("project", None)] + ([("xla defaults", {})] if args.xla_defaults else [])
   rows = []
   for text in args.models:
-    spec = benchmark._model_spec(text, None, None, 0, args.vocab_size, "target")
+    spec = benchmark.model_spec(text, None, None, 0, args.vocab_size, "target")
     model, params = load(spec, LoadContext("target"))
     leaves = jax.tree_util.tree_leaves_with_path(params)
     n_params = int(sum(x.size for _, x in leaves))

@@ -14,6 +14,7 @@
 * Checkpoint round trip; a head that does not fit the target is refused.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -65,6 +66,14 @@ def _setup():
   result = train_eagle.train_head(cfg, report=lambda s: None, train_split=split,
                                   eval_split=split, target=target, target_params=tp)
   return target, tp, enc, ar_tokens, ar_lengths, result
+
+
+def _teacher_features(target, tp, enc, tokens):
+  """(decoder inputs [BOS, tokens[:, :-1]], encoder output, the target's features) of
+  teacher-forcing `tokens`."""
+  dec_in = np.concatenate([np.zeros((tokens.shape[0], 1), np.int32), tokens[:, :-1]], axis=1)
+  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  return dec_in, encoded, feats
 
 
 def test_outputs_are_ragged_and_end_with_eos():
@@ -165,8 +174,7 @@ def test_training_time_test_matches_drafting():
   target, tp, enc, ar_tokens, _, result = _setup()
   head, hp = result.head, result.params
   T = 8
-  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :T - 1]], axis=1)
-  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  dec_in, encoded, feats = _teacher_features(target, tp, enc, ar_tokens[:, :T])
   embed = lambda x: target.embed(tp, x)
   step1, step2 = train_eagle.unrolled_predictions(head, hp, encoded, feats, embed, dec_in, 2)
   forward = head.forward(hp, encoded, feats, embed(np.roll(dec_in, -1, axis=1)))
@@ -188,7 +196,6 @@ def test_training_resumes_from_its_workdir(tmp_path):
   kw = dict(train_split=split, eval_split=split, target=target, target_params=tp)
   train_eagle.train_head(cfg, report=lambda s: None, **kw)
   messages = []
-  import dataclasses
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "head3"))
   resumed = train_eagle.train_head(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
@@ -304,8 +311,7 @@ def test_tree_step_equals_the_chain_along_each_path():
   target, tp, enc, ar_tokens, _, result = _setup()
   head, hp = result.head, result.params
   m = 3
-  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :m - 1]], axis=1)
-  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  dec_in, encoded, feats = _teacher_features(target, tp, enc, ar_tokens[:, :m])
   embed = lambda x: target.embed(tp, x)
   cache = head.init_cache(hp, encoded, L)
   _, cache = head.step(hp, cache, feats, embed(ar_tokens[:, :m]))  # the pairs of s_0 .. s_{m-1}
@@ -384,8 +390,7 @@ def test_tree_commit_feeds_the_head_the_accepted_paths_states():
   out = decoding.run(algo, target, tp, enc, draft=head, draft_params=hp, max_decode_len=L)
   jax.block_until_ready(out.tokens)
   tokens = np.asarray(out.tokens)
-  dec_in = np.concatenate([np.zeros((N, 1), np.int32), tokens[:, :-1]], axis=1)
-  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  _, encoded, feats = _teacher_features(target, tp, enc, tokens)
   forward = np.asarray(head.forward(hp, encoded, feats, target.embed(tp, tokens)))
   checked, before = 0, np.zeros(N, int)
   for length, feature in _RecordingTreeDrafter.log:
