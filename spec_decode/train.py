@@ -45,7 +45,9 @@ PREFIXES = ("data", "target")
 class TrainConfig:
   """Everything a training run needs. model: T5Config fields, optionally {'preset': name, ...}.
 
-  init_checkpoint: start from these parameters instead of a random init.
+  init_checkpoint: start from these parameters instead of a random init; with
+  grow_init, a smaller T5 grown into `model` by `models.grow.grow` (function-preserving
+  widening and deepening, new parameters from the seed's random init).
   teacher_checkpoint: the frozen target for mode 'distill'. teacher_examples:
   how many training inputs the teacher decodes for prefixes 'target' (greedy
   when teacher_temperature is 0). eval_examples: validation examples per eval.
@@ -55,6 +57,7 @@ class TrainConfig:
   model: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"preset": "t5_1_1_tiny"})
   mode: str = "supervised"
   init_checkpoint: Optional[str] = None
+  grow_init: bool = False
   teacher_checkpoint: Optional[str] = None
   divergence: str = "fkl"
   distill_temperature: float = 1.0
@@ -94,6 +97,8 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.num_steps < 0 or self.warmup_steps < 0 or self.learning_rate <= 0:
       raise ValueError("TrainConfig needs num_steps >= 0, warmup_steps >= 0, learning_rate > 0")
+    if self.grow_init and not self.init_checkpoint:
+      raise ValueError("TrainConfig.grow_init needs init_checkpoint (the model to grow)")
     if self.mode == "distill" and not self.teacher_checkpoint:
       raise ValueError("mode 'distill' needs teacher_checkpoint")
 
@@ -230,6 +235,19 @@ def _load_params(path: str, dtype=jnp.float32):
   return checkpoints.load(path, dtype=dtype)
 
 
+def _initial_params(cfg: TrainConfig, model_cfg: t5.T5Config, rng):
+  """cfg.init_checkpoint's parameters for model_cfg: as stored, or grown (cfg.grow_init)."""
+  init_cfg, params = _load_params(cfg.init_checkpoint, model_cfg.dtype)
+  if cfg.grow_init:
+    from spec_decode.models import grow
+    return grow.grow(init_cfg, params, model_cfg, rng)
+  if init_cfg.replace(dtype=model_cfg.dtype) != model_cfg:
+    raise ValueError(f"init_checkpoint {cfg.init_checkpoint} holds a different model than "
+                     f"TrainConfig.model: {init_cfg} vs {model_cfg} (set TrainConfig.grow_init "
+                     f"to grow a smaller model into this one)")
+  return params
+
+
 def _teacher_split(teacher, teacher_params, split: train_data.TokenizedSplit, cfg: TrainConfig,
                    report) -> train_data.TokenizedSplit:
   """The first `teacher_examples` training inputs with targets decoded by the teacher."""
@@ -348,7 +366,7 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print,
   rng = jax.random.PRNGKey(cfg.seed)
   params = model.init(rng)
   if cfg.init_checkpoint:
-    _, params = _load_params(cfg.init_checkpoint, model_cfg.dtype)
+    params = _initial_params(cfg, model_cfg, rng)
   optimizer = make_optimizer(cfg)
   state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
   state, manager = resume(state, cfg, report)
