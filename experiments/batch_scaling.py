@@ -15,7 +15,8 @@ c(B), and the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) at B.
 (The run's own c, timed without interleaving, is kept in the JSON as c_run.) Larger batches make a
 decode step less memory-bound, so the verify call's extra gamma tokens stop
 being free (T_verify / T_p grows), and a batch waits for its slowest row.
-Writes <results_dir>/batch_scaling_<task>.{md,csv,json,png}.
+Writes <results_dir>/batch_scaling_<task>.{md,csv,json,png} (batch_scaling_<demo_target>.*
+with --demo_target).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def run(args) -> list[dict[str, Any]]:
   for B in args.batch_sizes:
     s = setups.experiment_setup(args.scale, args.task, args.draft, temperature=args.temperature,
                                 demo_dir=args.demo_models,
-                                checkpoints=setups.parse_checkpoints(args.checkpoints))
+                                checkpoints=setups.parse_checkpoints(args.checkpoints),
+                                demo_target=args.demo_target)
     s = s.with_bindings(*setups.row_bindings(
         gamma=args.gamma, temperature=args.temperature, batch_size=B,
         num_examples=args.num_examples, step_timing_repeats=args.step_timing_repeats,
         timing_repeats=args.timing_repeats), *args.gin_bindings)
-    run_dir = os.path.join(args.runs_dir, args.scale, f"{args.task}_{args.draft}_t"
-                           f"{args.temperature:g}_g{args.gamma}_b{B}")
+    run_dir = os.path.join(args.runs_dir, args.scale, f"{args.demo_target or args.task}_"
+                           f"{args.draft}_t{args.temperature:g}_g{args.gamma}_b{B}")
     print(f"batch {B} -> {run_dir}", flush=True)
     summary = setups.run(s, run_dir, show_progress=args.progress)
     pc = _costs(args, s, B)
@@ -129,6 +131,9 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--loop_steps", type=int, default=8)
   p.add_argument("--timing_repeats", type=int, default=None)
   p.add_argument("--demo_models", default=None)
+  p.add_argument("--demo_target", default=None,
+                 help="demo scale: the target's demo model name (default <task>_target), "
+                      "e.g. ende_target_big")
   p.add_argument("--checkpoints", default=None, help="paper scale: <task>_target=PATH,"
                  "<task>_<draft>=PATH")
   p.add_argument("--gin_bindings", action="append", default=[],
@@ -152,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
       k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
   rows = run(args)
   _common.finish_meta(meta)
+  stem = args.demo_target or args.task
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("batch_size", "batch"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
           Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
@@ -163,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("speculative_tokens_per_s", "spec tokens/s", lambda v: fmt(v, 0)),
           Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
           Column("cost_model", "cost model", x)]
-  notes = [f"{args.scale} scale, task {args.task}, draft {args.draft}, gamma {args.gamma}, "
+  target = f", target {args.demo_target}" if args.demo_target else ""
+  notes = [f"{args.scale} scale, task {args.task}{target}, draft {args.draft}, gamma {args.gamma}, "
            f"temperature {args.temperature:g}, the same {args.num_examples} examples at every "
            "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",
            f"T_p, T_q, c, T_verify/T_p: {args.repeats} interleaved rounds of {args.inner} calls "
@@ -174,10 +181,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   figures = []
   os.makedirs(args.results_dir, exist_ok=True)
   if args.plots:
-    figures = [plot(rows, os.path.join(args.results_dir, f"batch_scaling_{args.task}.png"),
+    figures = [plot(rows, os.path.join(args.results_dir, f"batch_scaling_{stem}.png"),
                     _common.machine_line(meta["machine"]), meta["command"])]
   extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n" for f in figures)
-  paths = _common.write_outputs(args.results_dir, f"batch_scaling_{args.task}",
+  paths = _common.write_outputs(args.results_dir, f"batch_scaling_{stem}",
                                 title=f"Batch scaling ({args.task}, {args.scale} scale)",
                                 columns=cols, rows=rows, meta=meta, notes=notes,
                                 extra_md=extra_md,

@@ -25,6 +25,7 @@ from experiments import _common, setups
 from experiments._common import Column, fmt
 
 MODELS = ("target", "large", "base", "small", "small_distilled")
+TASK_MODELS = {"ende": ("target_big",) + MODELS}  # the big target exists for EnDe only
 METRICS = {"ende": ("bleu",), "cnndm": ("rouge1", "rouge2", "rougeLsum")}
 
 
@@ -70,7 +71,7 @@ def run(args) -> list[dict[str, Any]]:
     for label, preds in _references(name, len(examples)).items():
       rows.append({"task": setups.TASK_LABELS[task], "model": label, "params": None,
                    "examples": len(examples), **_score(task, targets, preds)})
-    for m in MODELS:
+    for m in TASK_MODELS.get(task, MODELS):
       path = os.path.join(args.demo_models, f"{task}_{m}")
       if not os.path.isdir(path):
         rows.append({"task": setups.TASK_LABELS[task], "model": f"{task}_{m}",

@@ -80,17 +80,23 @@ def _check(scale: str, task: str, draft: str) -> None:
 
 def experiment_setup(scale: str, task: str, draft: str, *, temperature: float = 0.0,
                      demo_dir: str | None = None, checkpoints: Mapping[str, str] | None = None,
-                     ngram_fit_examples: int | None = None) -> Setup:
+                     ngram_fit_examples: int | None = None,
+                     demo_target: str | None = None) -> Setup:
   """The gin setup of `draft` drafting for the `task` target at `scale` (see module doc).
 
   temperature only picks the paper's gin file (t0 or t1); rows bind their own
-  TEMPERATURE and GAMMA with `row_bindings` at every scale.
+  TEMPERATURE and GAMMA with `row_bindings` at every scale. demo_target: the demo
+  model under demo_dir that is the target (default <task>_target; e.g. ende_target_big).
   """
   _check(scale, task, draft)
+  if demo_target is not None and scale != "demo":
+    raise ValueError(f"demo_target {demo_target!r} names a demo model; it needs scale 'demo', "
+                     f"got {scale!r}")
   if scale == "tiny":
     return _tiny(draft, ngram_fit_examples or 200)
   if scale == "demo":
-    return _demo(task, draft, os.path.abspath(demo_dir or DEMO_DIR), ngram_fit_examples or 10000)
+    return _demo(task, draft, os.path.abspath(demo_dir or DEMO_DIR), ngram_fit_examples or 10000,
+                 demo_target or f"{task}_target")
   return _paper(task, draft, 1 if temperature == 1 else 0, dict(checkpoints or {}),
                 ngram_fit_examples)
 
@@ -112,10 +118,12 @@ def _tiny(draft: str, fit_examples: int) -> Setup:
   return Setup(tuple(files), tuple(bindings))
 
 
-def _demo(task: str, draft: str, demo_dir: str, fit_examples: int) -> Setup:
+def _demo(task: str, draft: str, demo_dir: str, fit_examples: int, target_name: str) -> Setup:
   files = [f"configs/demo/{task}_experiment.gin"]
-  target = os.path.join(demo_dir, f"{task}_target")
+  target = os.path.join(demo_dir, target_name)
   bindings = [f"target/ModelSpec.checkpoint = {_q(target)}"]
+  if target_name != f"{task}_target":
+    bindings.append(f"target/ModelSpec.name = {_q('demo ' + target_name)}")
   needed = [target]
   if draft in NGRAM_DRAFTS:
     files.append(f"gin/drafts/{draft}.gin")

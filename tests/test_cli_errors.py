@@ -225,7 +225,7 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
   with open(os.path.join(out, "results.json")) as f:
     summary = json.load(f)
   assert summary["experiment"]["task"] == "synthetic_ende"
-  assert summary["experiment"]["target"]["checkpoint"] == "demo_models/ende_target"
+  assert summary["experiment"]["target"]["checkpoint"] == "demo_models/ende_target_big"
   assert summary["identical_fraction"] == 1.0 and summary["completed"] == 2
   assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
   with open(os.path.join(out, "table_row.md")) as f:

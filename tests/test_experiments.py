@@ -148,6 +148,12 @@ def test_setups_parse_at_every_scale():
   assert setups.experiment_setup("paper", "ende", "small_distilled").missing
   with pytest.raises(ValueError, match="unknown scale"):
     setups.experiment_setup("huge", "ende", "small")
+  big = setups.experiment_setup("demo", "ende", "small", demo_target="ende_target_big")
+  cfg = setups.parse_config(big)
+  assert cfg.target.checkpoint.endswith("demo_models/ende_target_big") and not big.missing
+  assert cfg.target.name == "demo ende_target_big"
+  with pytest.raises(ValueError, match="demo_target 'ende_target_big' names a demo model"):
+    setups.experiment_setup("tiny", "ende", "small", demo_target="ende_target_big")
   with pytest.raises(ValueError, match="NAME=PATH"):
     setups.parse_checkpoints("ende_target")
 
@@ -380,9 +386,9 @@ def test_demo_quality_scores_the_shipped_models(out, tmp_path):
   paths = demo_quality.main(["--tasks", "ende", "--num_examples", "3", "--batch_size", "2",
                              "--demo_models", str(demo), "--results_dir", out["results"]])
   rows = {r[1]: r for r in _rows(paths["md"])}
-  assert set(rows) == {"reference sample", "reference mode", "ende_target", "ende_large",
-                       "ende_base", "ende_small", "ende_small_distilled"}
-  assert rows["ende_large"][-1] == "not shipped"
+  assert set(rows) == {"reference sample", "reference mode", "ende_target_big", "ende_target",
+                       "ende_large", "ende_base", "ende_small", "ende_small_distilled"}
+  assert rows["ende_large"][-1] == "not shipped" and rows["ende_target_big"][-1] == "not shipped"
   assert rows["ende_target"][2] == "3.69M" and rows["ende_small"][2] == "0.44M"
   for name in ("reference sample", "reference mode", "ende_target", "ende_small"):
     assert 0.0 <= float(rows[name][4]) <= 100.0 and rows[name][3] == "3"
