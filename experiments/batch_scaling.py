@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
                     _common.machine_line(meta["machine"]), meta["command"])]
   extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n" for f in figures)
   paths = _common.write_outputs(args.results_dir, f"batch_scaling_{stem}",
-                                title=f"Batch scaling ({args.task}, {args.scale} scale)",
+                                title=f"Batch scaling ({stem}, {args.scale} scale)",
                                 columns=cols, rows=rows, meta=meta, notes=notes,
                                 extra_md=extra_md,
                                 extra={"figures": [os.path.basename(f) for f in figures]})

@@ -35,7 +35,6 @@ import math
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.models import t5
