@@ -11,9 +11,12 @@ for targets from the demo target to the T5.1.1-base shape (random weights,
 float32, the demo vocabulary unless --vocab_size says otherwise), T_p (one
 token) and t(N) with marginal step costs (`timing.step_time`: the cost of one
 more decode inside a jitted loop, cache filled to --position), under the
-project's XLA options for decoding loops (`spec_decode.compile_options`) and,
-with --xla_defaults, under XLA's own defaults too. Everything runs back to back
-in one process. Writes <results_dir>/verify_scaling.{md,csv,json}.
+project's XLA options for decoding loops (`spec_decode.compile_options`) with
+the weights in the layout the decoders use (on CPU: packed for the
+weight-streaming kernel, `spec_decode.kernels.cpu_matmul`); with
+--compare_xla_dots also with XLA's dots on the unpacked weights, and with
+--xla_defaults under XLA's own defaults (XLA's dots). Everything runs back to
+back in one process. Writes <results_dir>/verify_scaling.{md,csv,json}.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ def measure(args) -> list[dict[str, Any]]:
   from experiments import benchmark
   from spec_decode import timing
   from spec_decode.model_specs import LoadContext, load
-  option_sets = [("project", None)] + ([("xla defaults", {})] if args.xla_defaults else [])
+  option_sets = [("project", None, True)]
+  if args.compare_xla_dots:
+    option_sets.append(("project, XLA dots", None, False))
+  if args.xla_defaults:
+    option_sets.append(("xla defaults, XLA dots", {}, False))
   rows = []
   for text in args.models:
     spec = benchmark.model_spec(text, None, None, 0, args.vocab_size, "target")
@@ -49,10 +56,11 @@ def measure(args) -> list[dict[str, Any]]:
     enc = jnp.asarray(np.random.RandomState(0).randint(
         2, model.vocab_size, (1, args.input_length)).astype(np.int32))
     length = args.position + max(args.tokens) + 1
-    for label, options in option_sets:
+    for label, options, layout in option_sets:
       times = {n: timing.step_time(model, params, enc, num_tokens=n, cache_length=length,
                                    position=args.position, repeats=args.repeats,
-                                   compiler_options=options) for n in args.tokens}
+                                   compiler_options=options, decode_layout=layout)
+               for n in args.tokens}
       row = {"model": spec.label, "params": n_params, "decoder_params": n_decoder,
              "weight_mb": n_decoder * jnp.dtype(model.config.dtype).itemsize / 2 ** 20,
              "compiler": label, "t_p_ms": times[1] * 1e3,
@@ -75,8 +83,10 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--input_length", type=int, default=32)
   p.add_argument("--position", type=int, default=24, help="cache entries already filled")
   p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--compare_xla_dots", action="store_true",
+                 help="also measure with XLA's dots (weights not packed for the CPU kernel)")
   p.add_argument("--xla_defaults", action="store_true",
-                 help="also measure under XLA's default options")
+                 help="also measure under XLA's default options (XLA's dots)")
   p.add_argument("--results_dir", default=_common.RESULTS_DIR)
   args = p.parse_args(list(argv))
   args.models = [m for m in args.models.split(",") if m]
@@ -98,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   cols = [Column("model", "target"),
           Column("params", "params", lambda v: f"{v / 1e6:.1f}M"),
           Column("weight_mb", "decoder weights", lambda v: f"{v:.1f} MB"),
-          Column("compiler", "XLA options"),
+          Column("compiler", "XLA options, products"),
           Column("t_p_ms", "T_p", lambda v: f"{v:.3f} ms")]
   cols += [Column(f"t{n}", f"t({n})", lambda v: fmt(v, 2)) for n in args.tokens if n > 1]
   table = [dict(r, **{f"t{n}": r["ratios"][str(n)] for n in args.tokens}) for r in rows]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode import compile_options, partitioning
+from spec_decode.models import base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,8 @@ def timed(fn: Callable[[], Any], *, repeats: int = 1, warmup: int = 0) -> Timed:
 
 def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
                 position: int | None = None, steps: int = 1, mesh=None,
-                rules=None, compiler_options=None) -> Callable[[], jax.Array]:
+                rules=None, compiler_options=None,
+                decode_layout: bool = True) -> Callable[[], jax.Array]:
   """A zero-argument function running `steps` decodes of num_tokens tokens per row in one jit.
 
   The cache holds `cache_length` slots with every row at `position` (default
@@ -64,7 +66,10 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   `decoding.speculative` lays them out. The function's `.steps` is `steps`;
   `.state` holds params, tokens and the current cache (the cache is donated).
   compiler_options: as `decoding.run`'s (None: the backend's defaults, which
-  the decoding loops use too), unsharded runs only.
+  the decoding loops use too), unsharded runs only. decode_layout (default):
+  unsharded params in the layout `decoding.run` gives them
+  (`models.base.decoding_params`, e.g. packed CPU kernels); False times them
+  as given (XLA's dots).
   """
   if not 1 <= num_tokens <= cache_length:
     raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
@@ -78,6 +83,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
                                                                    params=params))
     encoder_tokens = partitioning.put(
         encoder_tokens, partitioning.batch_sharding(mesh, encoder_tokens.shape, rules))
+  elif decode_layout:
+    params = base.decoding_params(model, params)  # the layout the decoding loops use
   cache = model.init_cache(params, model.encode(params, encoder_tokens), cache_length)
   cache = cache.rewind(jnp.full(cache.lengths.shape, position, jnp.int32))
   if mesh is not None:
@@ -103,7 +110,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
 
 def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_length: int,
               position: int | None = None, steps: int = 8, repeats: int = 10, warmup: int = 2,
-              mesh=None, rules=None, marginal: bool = True, compiler_options=None) -> float:
+              mesh=None, rules=None, marginal: bool = True, compiler_options=None,
+              decode_layout: bool = True) -> float:
   """Median seconds of one `model.decode` of num_tokens tokens per row inside a jitted loop.
 
   marginal (default): the cost of one more decode inside a loop, i.e. the
@@ -115,10 +123,11 @@ def step_time(model, params, encoder_tokens, *, num_tokens: int = 1, cache_lengt
   steps charges it to every step and biases small-model step times (and c,
   and the verify ratio) upwards. When noise makes the difference non-positive
   the per-step time of the longer loop is returned (an upper bound).
-  marginal=False: one call of `steps` decodes divided by `steps`.
+  marginal=False: one call of `steps` decodes divided by `steps`. decode_layout: as
+  `decode_loop`'s.
   """
   kw = dict(num_tokens=num_tokens, cache_length=cache_length, position=position, mesh=mesh,
-            rules=rules, compiler_options=compiler_options)
+            rules=rules, compiler_options=compiler_options, decode_layout=decode_layout)
   short = decode_loop(model, params, encoder_tokens, steps=steps, **kw)
   if not marginal:
     return timed(short, repeats=repeats, warmup=warmup).median / steps

@@ -353,10 +353,11 @@ def test_trees_tiny(out):
 
 def test_verify_scaling_tiny(out):
   paths = verify_scaling.main(["--models", "t5_1_1_tiny", "--tokens", "3", "--repeats", "1",
-                               "--results_dir", out["results"]])
+                               "--compare_xla_dots", "--results_dir", out["results"]])
   res = _json(paths["json"])
-  (row,) = res["rows"]
+  row, xla_row = res["rows"]
   assert row["compiler"] == "project" and row["params"] > 0 and row["t_p_ms"] > 0
+  assert xla_row["compiler"] == "project, XLA dots" and xla_row["t_p_ms"] > 0
   assert set(row["ratios"]) == {"1", "3"} and row["ratios"]["1"] == 1.0
   with pytest.raises(SystemExit):
     verify_scaling.main(["--models", "", "--results_dir", out["results"]])

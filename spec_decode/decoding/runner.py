@@ -278,6 +278,9 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
   args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)
   if mesh is None:
+    # Weights laid out for this backend's decoding kernels (packed once per tree).
+    args = (base.decoding_params(target, target_params),
+            base.decoding_params(draft, draft_params), *args[2:])
     return _unsharded_jit(compile_options.resolve(compiler_options))(
         *args, algorithm=algorithm, target=target, draft=draft, max_decode_len=max_decode_len,
         sampling=sampling)

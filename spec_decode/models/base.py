@@ -60,6 +60,14 @@ def check_tokens(tokens, name: str, vocab_size: int) -> jax.Array:
   return jnp.asarray(tokens, jnp.int32)
 
 
+def decoding_params(model, params):
+  """`params` in the layout `model` decodes fastest with on this backend (its
+  `decode_params`, e.g. T5's packed CPU kernels), or `params` itself for models
+  without one. The values are unchanged; call it once per decode call, outside jit."""
+  fn = getattr(model, "decode_params", None)
+  return params if fn is None or params is None else fn(params)
+
+
 def check_tree_args(tokens: jax.Array, positions, tree_mask):
   """Validates decode's optional positions [B,T] and tree_mask [B,T,T]; returns them as arrays."""
   B, T = tokens.shape

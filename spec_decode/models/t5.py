@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode.kernels import cpu_matmul
 from spec_decode.models import base, offload
 
 Params = Mapping[str, Any]
@@ -324,22 +325,28 @@ class T5(base.ParamSpecs):
     table_VD = self._get(params["token_embedder"]["embedding"], tokens)
     return jnp.take(table_VD, tokens, axis=0).astype(self.config.dtype)
 
+  def _dense(self, x_BTI, kernel_IO):
+    """x [B, T, I] @ kernel [I, O]: XLA's dot, or the CPU decoding kernel when the kernel
+    was packed for it (`decode_params`)."""
+    if isinstance(kernel_IO, cpu_matmul.PackedKernel):
+      return cpu_matmul.matmul(x_BTI, kernel_IO).astype(self.config.dtype)
+    return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO.astype(self.config.dtype))
+
   def _project_heads(self, x_BTD, kernel_DK):
     c = self.config
-    y = jnp.einsum("BTD,DK->BTK", x_BTD, kernel_DK.astype(c.dtype))
+    y = self._dense(x_BTD, kernel_DK)
     return y.reshape(*y.shape[:2], c.num_heads, c.head_dim)
 
   def _merge_heads(self, y_BTNH, kernel_KD):
-    y = y_BTNH.reshape(*y_BTNH.shape[:2], -1)
-    return jnp.einsum("BTK,KD->BTD", y, kernel_KD.astype(self.config.dtype))
+    return self._dense(y_BTNH.reshape(*y_BTNH.shape[:2], -1), kernel_KD)
 
   def _mlp(self, p, x_BTD):
     c = self.config
     h = None
     for name, act in zip(c.mlp_names(), c.mlp_activations):
-      a = _ACTIVATIONS[act](jnp.einsum("BTD,DF->BTF", x_BTD, p[name]["kernel"].astype(c.dtype)))
+      a = _ACTIVATIONS[act](self._dense(x_BTD, p[name]["kernel"]))
       h = a if h is None else h * a
-    return jnp.einsum("BTF,FD->BTD", h, p["wo"]["kernel"].astype(c.dtype))
+    return self._dense(h, p["wo"]["kernel"])
 
   def _relpos_bias(self, rel_embedding_NR, rel_pos, bidirectional):
     """rel_pos [..., T, L] (key - query) -> bias [..., N, T, L] float32."""
@@ -520,8 +527,29 @@ class T5(base.ParamSpecs):
     if c.logits_via_embedding:
       logits = jnp.einsum("BTD,VD->BTV", x_BTD, kernel.astype(c.dtype)) / math.sqrt(c.emb_dim)
     else:
-      logits = jnp.einsum("BTD,DV->BTV", x_BTD, kernel.astype(c.dtype))
+      logits = self._dense(x_BTD, kernel)
     return logits.astype(jnp.float32)
+
+  # ---------------------------------------------------------------- decoding layout
+  def decode_params(self, params: Params) -> Params:
+    """`params` laid out for decoding on this backend; the same values.
+
+    On XLA:CPU with float32 weights, when the decoder's kernels are at least
+    `cpu_matmul.MIN_PACKED_BYTES` (weights that stream from memory rather than sit in
+    cache), every encoder and decoder kernel [I, O] becomes a `cpu_matmul.PackedKernel`,
+    which the model multiplies by with the weight-streaming CPU kernel (a verify call of
+    gamma + 1 tokens then reads each weight once, as a single-token step does).
+    Elsewhere, for smaller models, when the kernel is unavailable, or for streamed
+    parameters, `params` is returned as is. The packed copy is made once per parameter
+    tree (cached by the leaves' identity), so decoders call this per call.
+    """
+    if self.stream_params or self.config.dtype != jnp.float32:
+      return params
+    decoder_bytes = sum(4 * leaf.size for leaf in jax.tree_util.tree_leaves(params["decoder"])
+                        if getattr(leaf, "ndim", 0) == 2)
+    if decoder_bytes < cpu_matmul.MIN_PACKED_BYTES or not cpu_matmul.available():
+      return params
+    return _PACKED.get(params, _pack_kernels)
 
   # ---------------------------------------------------------------- teacher forcing
   def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
@@ -539,3 +567,18 @@ class T5(base.ParamSpecs):
     encoded = self._encode(params, encoder_tokens)
     cache = self._init_cache(params, encoded, decoder_input_tokens.shape[1])
     return self._decode(params, cache, decoder_input_tokens).logits
+
+
+_PACKED = cpu_matmul.PackCache()
+
+
+@jax.jit
+def _pack_kernels(params):
+  """Every 2-D `kernel` under encoder/ and decoder/ as a PackedKernel (float32)."""
+  def visit(tree, name=None):
+    if isinstance(tree, Mapping):
+      return {k: visit(v, k) for k, v in tree.items()}
+    if name == "kernel" and getattr(tree, "ndim", 0) == 2:
+      return cpu_matmul.pack(tree.astype(jnp.float32))
+    return tree
+  return {k: visit(v) if k in ("encoder", "decoder") else v for k, v in params.items()}

@@ -1,0 +1,1 @@
+"""Custom kernels for decoding (compiled on first use; see each module)."""
