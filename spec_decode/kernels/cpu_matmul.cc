@@ -30,43 +30,56 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 16;
+constexpr int64_t kPrefetch = 32;  // k steps (of 64 bytes per panel) ahead
 constexpr int kRowBlock = 6;
 typedef float v8 __attribute__((vector_size(32)));
 
 inline v8 Load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// R rows of x (row stride K) times one panel [K, 16] -> y rows (stride N), the
-// first `cols` (<= 16) of the panel's columns.
-template <int R>
-void Block(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t cols) {
-  v8 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
-  const float* w = panel;
-  for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    const v8 w0 = Load8(w), w1 = Load8(w + 8);
+// R rows of x (row stride K) times P adjacent panels [K, 16] -> y rows (stride N), the
+// first `cols` (<= 16 P) columns. Few rows take several panels at once so that enough
+// independent accumulator chains cover the FMA latency; the order of the sum over k is
+// the same for every P and R.
+template <int R, int P>
+void Block(const float* x, const float* panels, float* y, int64_t K, int64_t N, int64_t cols) {
+  v8 acc[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 2 * P; ++b) acc[r][b] = v8{};
+  for (int64_t k = 0; k < K; ++k) {
+    v8 w[2 * P];
+    for (int p = 0; p < P; ++p) {
+      // Ahead of the hardware prefetcher (measured: 2 to 8 rows ~20% faster; past the
+      // panel's end it touches the next panel or a harmless address, prefetches never fault).
+      __builtin_prefetch(panels + (p * K + k + kPrefetch) * kPanel);
+      w[2 * p] = Load8(panels + (p * K + k) * kPanel);
+      w[2 * p + 1] = Load8(panels + (p * K + k) * kPanel + 8);
+    }
     for (int r = 0; r < R; ++r) {
       const v8 xv = x[r * K + k] - v8{};
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
+      for (int b = 0; b < 2 * P; ++b) acc[r][b] += xv * w[b];
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (cols == kPanel) {
-      Store8(y + r * N, acc[r][0]);
-      Store8(y + r * N + 8, acc[r][1]);
+    if (cols == kPanel * P) {
+      for (int b = 0; b < 2 * P; ++b) Store8(y + r * N + 8 * b, acc[r][b]);
     } else {
-      float tmp[kPanel];
-      Store8(tmp, acc[r][0]);
-      Store8(tmp + 8, acc[r][1]);
+      float tmp[kPanel * P];
+      for (int b = 0; b < 2 * P; ++b) Store8(tmp + 8 * b, acc[r][b]);
       std::memcpy(y + r * N, tmp, cols * sizeof(float));
     }
   }
 }
 
+// Panels taken at once by a block of R rows: at least 8 accumulator chains.
+constexpr int kMaxPanels = 4;
 typedef void (*BlockFn)(const float*, const float*, float*, int64_t, int64_t, int64_t);
-const BlockFn kBlocks[kRowBlock + 1] = {nullptr, Block<1>, Block<2>, Block<3>,
-                                        Block<4>, Block<5>, Block<6>};
+struct BlockKind { int panels; BlockFn fn; };
+const BlockKind kBlocks[kRowBlock + 1] = {
+    {0, nullptr}, {4, Block<1, 4>}, {2, Block<2, 2>}, {2, Block<3, 2>},
+    {1, Block<4, 1>}, {1, Block<5, 1>}, {1, Block<6, 1>}};
+const BlockFn kSinglePanel[kRowBlock + 1] = {nullptr, Block<1, 1>, Block<2, 1>, Block<3, 1>,
+                                             Block<4, 1>, Block<5, 1>, Block<6, 1>};
 
 struct Problem {
   const float* x;
@@ -75,14 +88,21 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// Panels [j0, j1) for every row group.
+// Panels [j0, j1) for every row group; a group of up to kMaxPanels panels is read from
+// memory once and from cache for the following row blocks.
 void Panels(const Problem& p, int64_t j0, int64_t j1) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* panel = p.panels + j * p.K * kPanel;
-    const int64_t cols = std::min(kPanel, p.N - j * kPanel);
+  for (int64_t g = j0; g < j1; g += kMaxPanels) {
+    const int64_t g1 = std::min(j1, g + kMaxPanels);
     for (int64_t m = 0; m < p.M; m += kRowBlock) {
       const int64_t rows = std::min<int64_t>(kRowBlock, p.M - m);
-      kBlocks[rows](p.x + m * p.K, panel, p.y + m * p.N + j * kPanel, p.K, p.N, cols);
+      for (int64_t j = g; j < g1;) {
+        const int64_t take = kBlocks[rows].panels <= g1 - j ? kBlocks[rows].panels : 1;
+        const BlockFn fn = take == 1 ? kSinglePanel[rows] : kBlocks[rows].fn;
+        const int64_t cols = std::min(kPanel * take, p.N - j * kPanel);
+        fn(p.x + m * p.K, p.panels + j * p.K * kPanel, p.y + m * p.N + j * kPanel, p.K, p.N,
+           cols);
+        j += take;
+      }
     }
   }
 }
@@ -123,7 +143,8 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   auto shared = std::make_shared<Shared>();
   shared->problem = problem;
   shared->num_panels = num_panels;
-  shared->chunk = std::max<int64_t>(1, num_panels / (8 * (helpers + 1)));
+  shared->chunk =
+      kMaxPanels * std::max<int64_t>(1, num_panels / (8 * kMaxPanels * (helpers + 1)));
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared] {
       shared->active.fetch_add(1);
