@@ -48,10 +48,10 @@ void Block(const float* x, const float* panels, float* y, int64_t K, int64_t N, 
     for (int b = 0; b < 2 * P; ++b) acc[r][b] = v8{};
   for (int64_t k = 0; k < K; ++k) {
     v8 w[2 * P];
+    const int64_t ahead = std::min(k + kPrefetch, K - 1);
     for (int p = 0; p < P; ++p) {
-      // Ahead of the hardware prefetcher (measured: 2 to 8 rows ~20% faster; past the
-      // panel's end it touches the next panel or a harmless address, prefetches never fault).
-      __builtin_prefetch(panels + (p * K + k + kPrefetch) * kPanel);
+      // Ahead of the hardware prefetcher (measured: 2 to 8 rows ~20% faster), within the panel.
+      __builtin_prefetch(panels + (p * K + ahead) * kPanel);
       w[2 * p] = Load8(panels + (p * K + k) * kPanel);
       w[2 * p + 1] = Load8(panels + (p * K + k) * kPanel + 8);
     }
