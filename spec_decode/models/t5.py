@@ -328,8 +328,8 @@ class T5(base.ParamSpecs):
   def _dense(self, x_BTI, kernel_IO):
     """x [B, T, I] @ kernel [I, O]: XLA's dot, or the CPU decoding kernel when the kernel
     was packed for it (`decode_params`)."""
-    if isinstance(kernel_IO, cpu_matmul.PackedKernel):
-      return cpu_matmul.matmul(x_BTI, kernel_IO).astype(self.config.dtype)
+    if isinstance(kernel_IO, cpu_matmul.PackedKernel):  # packed only for float32 models
+      return cpu_matmul.matmul(x_BTI, kernel_IO)
     return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO.astype(self.config.dtype))
 
   def _project_heads(self, x_BTD, kernel_DK):
@@ -543,11 +543,11 @@ class T5(base.ParamSpecs):
     parameters, `params` is returned as is. The packed copy is made once per parameter
     tree (cached by the leaves' identity), so decoders call this per call.
     """
-    if self.stream_params or self.config.dtype != jnp.float32:
-      return params
-    decoder_bytes = sum(4 * leaf.size for leaf in jax.tree_util.tree_leaves(params["decoder"])
-                        if getattr(leaf, "ndim", 0) == 2)
-    if decoder_bytes < cpu_matmul.MIN_PACKED_BYTES or not cpu_matmul.available():
+    if (self.stream_params or self.config.dtype != jnp.float32
+        or _decoder_kernel_bytes(self.config) < cpu_matmul.MIN_PACKED_BYTES
+        or isinstance(params["decoder"]["layers_0"]["mlp"]["wo"]["kernel"],
+                      cpu_matmul.PackedKernel)  # packed already
+        or not cpu_matmul.available()):
       return params
     return _PACKED.get(params, _pack_kernels)
 
@@ -570,6 +570,13 @@ class T5(base.ParamSpecs):
 
 
 _PACKED = cpu_matmul.PackCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder_kernel_bytes(config: T5Config) -> int:
+  """float32 bytes of the decoder's 2-D kernels (what a decode step reads)."""
+  return sum(4 * int(np.prod(shape)) for path, (shape, _, _) in T5(config)._param_specs().items()
+             if path.startswith("decoder/") and len(shape) == 2)
 
 
 @jax.jit
