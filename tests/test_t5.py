@@ -199,3 +199,25 @@ class TestErrors:
   def test_bad_max_decode_len(self, params):
     with pytest.raises(ValueError, match="max_decode_len"):
       self.model.init_cache(params, self.model.encode(params, np.array([[5, 6]])), 0)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_decode_step_moves_no_whole_cache(params, T):
+  """The caches are laid out as attention's products read them (`DecodeCache`): the
+  optimized HLO of a decode step copies or transposes no buffer of a whole layer's K or V
+  cache (T5X's [B, L, N, H] made XLA transpose every cache on every call)."""
+  import re
+  from spec_decode import compile_options, timing
+  c = _TINY.config
+  B, L = 3, 24
+  cache = _TINY.init_cache(params, _TINY.encode(params, np.full((B, 10), 5)), L)
+  loop = timing._jitted_steps(_TINY, 2, None, None, compile_options.resolve(None))  # in a loop
+  hlo = loop.lower(params, cache, jnp.full((B, T), 3, jnp.int32)).compile().as_text()
+  cache_dims = {tuple(sorted((B, L, c.num_heads, c.head_dim))),
+                tuple(sorted((B, 10, c.num_heads, c.head_dim)))}
+  moved = []
+  for name, dims in re.findall(r"%([\w.-]+) = f32\[([\d,]+)\]", hlo):
+    shape = tuple(int(d) for d in dims.split(","))
+    if ("copy" in name or "transpose" in name) and tuple(sorted(shape)) in cache_dims:
+      moved.append(f"{name} {shape}")
+  assert "dot" in hlo and not moved, moved

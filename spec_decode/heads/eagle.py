@@ -148,8 +148,8 @@ class EagleHead(base.ParamSpecs):
     c = self.config
     B = encoded.hidden.shape[0]
     k, v = self.block.cross_kv(params["layers_0"], encoded.hidden.astype(c.dtype))
-    empty = lambda: jnp.zeros((B, max_decode_len, c.num_heads, c.head_dim), c.dtype)
-    return t5.DecodeCache(self_k=(empty(),), self_v=(empty(),), cross_k=(k,), cross_v=(v,),
+    empty_k, empty_v = t5.empty_self_kv(c.block_config, B, max_decode_len)
+    return t5.DecodeCache(self_k=(empty_k,), self_v=(empty_v,), cross_k=(k,), cross_v=(v,),
                           encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
 
   def step(self, params, cache: t5.DecodeCache, features_BTD, embeddings_BTD, *,

@@ -21,7 +21,8 @@ accepted path's entries in order, so the cache again holds one sequence.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import functools
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import flax.struct
 import jax
@@ -122,11 +123,13 @@ class LengthCache:
 
   Entries beyond a row's length stay in place; attention (or the lookup) never
   reads them and later writes overwrite them, so a rewind is O(1). Subclasses
-  name their per-position arrays (cache position on axis 1) in
-  `POSITION_FIELDS`; `keep` gathers those.
+  name their per-position arrays (batch on axis 0, cache position on axis 1,
+  or on the axis `POSITION_AXES` gives that field) in `POSITION_FIELDS`;
+  `keep` gathers those.
   """
 
   POSITION_FIELDS: tuple[str, ...] = ()
+  POSITION_AXES: Mapping[str, int] = {}
 
   @property
   def batch_size(self) -> int:
@@ -158,15 +161,19 @@ class LengthCache:
                        f"{start.shape}, {indices.shape}, {count.shape}")
     slots = start[:, None] + indices  # [B, K]
 
-    def move(x):
+    def move(x, axis):
       if x is None:
         return x
-      idx = slots.reshape(slots.shape + (1,) * (x.ndim - 2))
-      picked = jnp.take_along_axis(x, jnp.minimum(idx, x.shape[1] - 1), axis=1)
-      write = lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at, axis=0)
+      idx = slots.reshape((B,) + (1,) * (axis - 1) + (slots.shape[1],)
+                          + (1,) * (x.ndim - axis - 1))
+      picked = jnp.take_along_axis(x, jnp.minimum(idx, x.shape[axis] - 1), axis=axis)
+      write = lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at,
+                                                                       axis=axis - 1)
       return jax.vmap(write)(x, picked, start)
 
-    moved = {name: jax.tree_util.tree_map(move, getattr(self, name))
+    moved = {name: jax.tree_util.tree_map(
+                 functools.partial(move, axis=self.POSITION_AXES.get(name, 1)),
+                 getattr(self, name))
              for name in self.POSITION_FIELDS}
     return self.replace(lengths=start + count, **moved)
 
