@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode import compile_options, partitioning
+from spec_decode.decoding import runner
 from spec_decode.models import base
 
 
@@ -66,10 +67,11 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   `decoding.speculative` lays them out. The function's `.steps` is `steps`;
   `.state` holds params, tokens and the current cache (the cache is donated).
   compiler_options: as `decoding.run`'s (None: the backend's defaults, which
-  the decoding loops use too), unsharded runs only. decode_layout (default):
-  unsharded params in the layout `decoding.run` gives them
-  (`models.base.decoding_params`, e.g. packed CPU kernels); False times them
-  as given (XLA's dots).
+  the decoding loops use too), unsharded runs only. Unsharded, the encoder tokens are
+  trimmed of all-padding columns as `decoding.run` trims them (cross-attention then reads
+  what it reads in the decoding loops). decode_layout (default): unsharded params in the
+  layout `decoding.run` gives them (`models.base.decoding_params`, e.g. packed CPU
+  kernels); False times them as given (XLA's dots).
   """
   if not 1 <= num_tokens <= cache_length:
     raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
@@ -83,8 +85,10 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
                                                                    params=params))
     encoder_tokens = partitioning.put(
         encoder_tokens, partitioning.batch_sharding(mesh, encoder_tokens.shape, rules))
-  elif decode_layout:
-    params = base.decoding_params(model, params)  # the layout the decoding loops use
+  else:  # as `decoding.run` does: padding trimmed (few lengths), params in its layout
+    encoder_tokens = runner.trim_padding(jnp.asarray(encoder_tokens))
+    if decode_layout:
+      params = base.decoding_params(model, params)
   cache = model.init_cache(params, model.encode(params, encoder_tokens), cache_length)
   cache = cache.rewind(jnp.full(cache.lengths.shape, position, jnp.int32))
   if mesh is not None:

@@ -1,6 +1,7 @@
 """Autoregressive baseline: greedy oracle, sampled distribution, batch independence."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
@@ -124,3 +125,46 @@ def test_argument_errors(tiny):
     decoding.autoregressive(model, params, enc, max_decode_len=3, row_ids=[1, 2, 3])
   with pytest.raises(ValueError, match="outside the vocabulary"):
     decoding.autoregressive(model, params, enc + 100, max_decode_len=3)
+
+
+class TestTrimmedInputs:
+  """`decoding.run` encodes inputs without their all-padding columns (`trim_inputs`)."""
+
+  def test_input_length_buckets(self):
+    from spec_decode.decoding import runner
+    row = lambda n, S=64: np.pad(np.full((1, n), 5, np.int32), ((0, 0), (0, S - n)))
+    assert runner.input_length(row(5)) == 8
+    assert runner.input_length(row(8)) == 8
+    assert runner.input_length(row(9)) == 16
+    assert runner.input_length(row(33)) == 64
+    assert runner.input_length(row(3, S=6)) == 6  # never more than S
+    assert runner.input_length(np.zeros((2, 64), np.int32)) == 8
+    # A batch runs at its longest row; PAD inside a row does not end it.
+    batch = np.concatenate([row(3), row(20)])
+    batch[1, 2:19] = 0
+    assert runner.input_length(batch) == 32
+    trimmed = runner.trim_padding(jnp.asarray(batch))
+    assert trimmed.shape == (2, 32)
+    np.testing.assert_array_equal(trimmed, batch[:, :32])
+
+  def test_traced_tokens_are_left_alone(self):
+    from spec_decode.decoding import runner
+    shapes = []
+    jax.jit(lambda t: shapes.append(runner.trim_padding(t).shape) or t)(
+        np.zeros((2, 40), np.int32))
+    assert shapes == [(2, 40)]
+
+  @pytest.mark.parametrize("temperature", [0.0, 1.0])
+  def test_same_outputs_as_untrimmed(self, tiny, temperature):
+    model, params = tiny
+    draft = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+    dparams = draft.init(jax.random.PRNGKey(3))
+    enc = np.pad(_enc(model.config.vocab_size, 3, seed=4, src=10), ((0, 0), (0, 30)))
+    kw = dict(max_decode_len=8, sampling=Sampling(temperature=temperature),
+              rng=jax.random.PRNGKey(5))
+    for algo, extra in ((decoding.Autoregressive(), {}),
+                        (decoding.Speculative(gamma=3), dict(draft=draft, draft_params=dparams))):
+      a = decoding.run(algo, model, params, enc, **extra, **kw)
+      b = decoding.run(algo, model, params, enc, trim_inputs=False, **extra, **kw)
+      np.testing.assert_array_equal(a.tokens, b.tokens)
+      np.testing.assert_array_equal(a.lengths, b.lengths)

@@ -148,6 +148,30 @@ def _greedy_key() -> jax.Array:
   return jax.random.PRNGKey(0)
 
 
+MIN_INPUT_BUCKET = 8
+
+
+def input_length(tokens) -> int:
+  """The encoder length a decode call runs concrete tokens [B, S] at (`run`'s trim_inputs):
+  up to the last position any row fills (PAD = 0 marks padding wherever it is, so columns
+  that are padding in every row change nothing but the work), rounded up to a power of two
+  of at least MIN_INPUT_BUCKET, so that batches of different lengths share a few compiles;
+  never more than S."""
+  filled = np.flatnonzero((np.asarray(tokens) != 0).any(axis=0))
+  n = int(filled[-1]) + 1 if filled.size else 1
+  return min(tokens.shape[1], max(MIN_INPUT_BUCKET, 1 << (n - 1).bit_length()))
+
+
+def trim_padding(tokens):
+  """tokens [B, S] without the trailing columns that are padding in every row, as
+  `input_length` rounds; tokens under jit tracing or spread over hosts are returned as is."""
+  if tokens is None or isinstance(tokens, jax.core.Tracer) \
+      or not getattr(tokens, "is_fully_addressable", True):
+    return tokens
+  n = input_length(tokens)
+  return tokens if n == tokens.shape[1] else tokens[:, :n]
+
+
 def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_ids):
   """Validates the public arguments of a decoder; returns normalized values."""
   if not is_int(max_decode_len) or max_decode_len < 1:
@@ -235,7 +259,7 @@ def sharded(algorithm: Algorithm, target, draft, mesh, *, batch_shape, max_decod
 def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=None,
         draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
         sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
-        draft_rules=None, compiler_options=None) -> DecodeResult:
+        draft_rules=None, compiler_options=None, trim_inputs: bool = True) -> DecodeResult:
   """Decodes `encoder_tokens` [B, S] with `algorithm`; see `decoding.autoregressive`.
 
   draft / draft_params: the drafter model when the algorithm needs one, with
@@ -245,7 +269,11 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   unsharded ones. compiler_options: XLA options for this executable (unsharded
   runs), e.g. {"xla_cpu_use_onednn": True}; None (default): the project's
   defaults for the backend (`spec_decode.compile_options`; {} gives XLA's own);
-  each distinct set compiles once.
+  each distinct set compiles once. trim_inputs (default, unsharded runs): the encoders run
+  on the inputs without the trailing columns that are padding in every row, rounded up to a
+  power of two (`input_length`; a task padded to 512 tokens whose batch holds 40 encodes
+  64). Padding is masked everywhere, so this changes only the work, and each distinct
+  length compiles once.
   """
   if not isinstance(algorithm, Algorithm):
     raise ValueError(f"algorithm must be a decoding Algorithm (e.g. decoding.Speculative(gamma="
@@ -278,6 +306,9 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
   args = (target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids)
   if mesh is None:
+    if trim_inputs:
+      args = (*args[:2], trim_padding(encoder_tokens), trim_padding(draft_encoder_tokens),
+              *args[4:])
     # Weights laid out for this backend's decoding kernels (packed once per tree).
     args = (base.decoding_params(target, target_params),
             base.decoding_params(draft, draft_params), *args[2:])
