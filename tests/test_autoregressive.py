@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from spec_decode import decoding
-from spec_decode.decoding import Sampling
+from spec_decode.decoding import Sampling, runner
 from spec_decode.models import t5
 
 
@@ -131,7 +131,6 @@ class TestTrimmedInputs:
   """`decoding.run` encodes inputs without their all-padding columns (`trim_inputs`)."""
 
   def test_input_length_buckets(self):
-    from spec_decode.decoding import runner
     row = lambda n, S=64: np.pad(np.full((1, n), 5, np.int32), ((0, 0), (0, S - n)))
     assert runner.input_length(row(5)) == 8
     assert runner.input_length(row(8)) == 8
@@ -148,7 +147,6 @@ class TestTrimmedInputs:
     np.testing.assert_array_equal(trimmed, batch[:, :32])
 
   def test_traced_tokens_are_left_alone(self):
-    from spec_decode.decoding import runner
     shapes = []
     jax.jit(lambda t: shapes.append(runner.trim_padding(t).shape) or t)(
         np.zeros((2, 40), np.int32))
@@ -160,6 +158,7 @@ class TestTrimmedInputs:
     draft = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
     dparams = draft.init(jax.random.PRNGKey(3))
     enc = np.pad(_enc(model.config.vocab_size, 3, seed=4, src=10), ((0, 0), (0, 30)))
+    assert runner.input_length(enc) == 16  # the trimmed runs encode 16 of the 40 columns
     kw = dict(max_decode_len=8, sampling=Sampling(temperature=temperature),
               rng=jax.random.PRNGKey(5))
     for algo, extra in ((decoding.Autoregressive(), {}),
