@@ -249,10 +249,7 @@ def empty_self_kv(config: T5Config, batch: int, length: int) -> tuple[jax.Array,
 
 def _write_rows(cache, new, offsets_B, axis):
   """Writes `new` into each row of `cache` at that row's own offset along `axis`."""
-  def write(c, u, s):
-    start = [0] * c.ndim
-    start[axis - 1] = s
-    return jax.lax.dynamic_update_slice(c, u, start)
+  write = lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u, s, axis=axis - 1)
   return jax.vmap(write)(cache, new.astype(cache.dtype), offsets_B)
 
 
