@@ -3,8 +3,9 @@
 Invariants at each proposal, per row with m tokens committed (s_0 = BOS):
 the draft cache holds at least s_0 .. s_{m-2}; it is rewound to m - 1 and fed
 [s_{m-1}, s_m] in one 2-token call (which also catches up on the last draft
-token when every proposal was accepted). On the first iteration (m = 0) it is
-fed [s_0] alone. Then num - 1 single-token calls in a lax.scan.
+token when every proposal was accepted). On the first iteration (m = 0) the
+same call is fed [s_0, s_0] and keeps only the first (`first_logits`). Then
+num - 1 single-token calls in a lax.scan.
 """
 
 from __future__ import annotations
@@ -33,21 +34,22 @@ class ModelDrafter(Drafter):
     return ctx.start_cache("draft", room)
 
   def first_logits(self, ctx, cache, committed: Committed):
-    """(logits [B, V] after s_m, cache): the first call of a proposal (see the module doc)."""
+    """(logits [B, V] after s_m, cache holding s_0 .. s_m): the first call of a proposal.
+
+    One 2-token call [s_{m-1}, s_m] on the cache rewound to m - 1 (see the module doc),
+    with no branch on the iteration: a row with m = 0 (the first iteration) is fed
+    [s_0, s_0] at slots 0 and 1, reads its logits after slot 0 and keeps one slot, so
+    the second s_0 is never attended to and is overwritten by the next write. (A
+    `lax.cond` on the iteration costs a conditional and its operand copies in every
+    iteration of the loop.)
+    """
     draft, params = ctx.draft, ctx.draft_params
     m = committed.length
-    last = committed.token_at(m)
-
-    def first_call():
-      out = draft.decode(params, cache, last[:, None])
-      return out.logits[:, -1], out.cache
-
-    def catch_up_call():
-      tokens = jnp.stack([committed.token_at(m - 1), last], axis=1)
-      out = draft.decode(params, cache.rewind(m - 1), tokens)
-      return out.logits[:, -1], out.cache
-
-    return jax.lax.cond(committed.it == 0, first_call, catch_up_call)
+    first = m == 0
+    tokens = jnp.stack([committed.token_at(m - 1), committed.token_at(m)], axis=1)
+    out = draft.decode(params, cache.rewind(jnp.maximum(m - 1, 0)), tokens)
+    logits = jnp.where(first[:, None], out.logits[:, 0], out.logits[:, 1])
+    return logits, out.cache.rewind(jnp.where(first, 1, m + 1))
 
   def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
     draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
