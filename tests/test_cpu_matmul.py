@@ -79,7 +79,7 @@ def test_matmul_refuses_a_feature_mismatch():
 @pytest.fixture
 def pack_small(monkeypatch):
   """Pack even the tests' small models (by default only large ones are packed)."""
-  monkeypatch.setattr(cpu_matmul, "MIN_PACKED_BYTES", 0)
+  monkeypatch.setattr(cpu_matmul, "MIN_PACKED_ELEMENTS", 0)
 
 
 def _mini(**overrides):
@@ -91,7 +91,23 @@ def _mini(**overrides):
 @needs_kernel
 def test_small_models_keep_xla_dots():
   model, params = _mini()
-  assert model.decode_params(params) is params  # 0.1 MB of decoder kernels
+  assert model.decode_params(params) is params  # no kernel of 2**15 elements (96 x 200 at most)
+
+
+@needs_kernel
+def test_only_large_kernels_are_packed(monkeypatch):
+  model, params = _mini()
+  monkeypatch.setattr(cpu_matmul, "MIN_PACKED_ELEMENTS", 96 * 200)  # the MLP's, not attention's
+  packed = model.decode_params(params)
+  layer = packed["decoder"]["layers_0"]
+  assert all(isinstance(layer["mlp"][n]["kernel"], cpu_matmul.PackedKernel)
+             for n in ("wi_0", "wi_1", "wo"))
+  assert not isinstance(layer["self_attention"]["query"]["kernel"], cpu_matmul.PackedKernel)
+  assert model.decode_params(packed) is packed  # a packed tree is not packed again
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
+  np.testing.assert_allclose(np.asarray(model.forward(packed, enc, dec)),
+                             np.asarray(model.forward(params, enc, dec)), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -146,7 +162,7 @@ _PROBE = """
 import jax
 from spec_decode.kernels import cpu_matmul
 from spec_decode.models import t5
-cpu_matmul.MIN_PACKED_BYTES = 0
+cpu_matmul.MIN_PACKED_ELEMENTS = 0
 m = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
 p = m.init(jax.random.PRNGKey(0))
 print(cpu_matmul.available(), m.decode_params(p) is p, cpu_matmul.unavailable_reason())

@@ -48,15 +48,17 @@ _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET = "spec_decode_small_m_matmul"
 _SYMBOL = "SpecDecodeSmallMMatmul"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-# Models whose decoder kernels are smaller than this keep XLA's dots: their weights sit in
-# the last-level cache (8-16 MB usable on the project's CPU), the products are bound by
-# compute and per-call overhead rather than by reading weights, and a custom call also
-# ends XLA's fusion of the product with its neighbours. Measured with
-# experiments/benchmark.py on the 2-core CPU: the 3.7M demo target (7.9 MB of decoder
-# kernels) decoded autoregressively at 1145 tokens/s packed against 1808 with XLA's dots;
-# the 45.6M one (99 MB) at 138 against 103 tokens/s, its 5-token verify 1.4 steps
-# against 2.0.
-MIN_PACKED_BYTES = 32 * 2 ** 20
+# Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
+# `T5.decode_params`). Measured per product on the 2-core CPU (1..11 rows, /tmp
+# microbenchmark in a jitted loop, issue 13): the kernel is faster for every matrix of
+# 192 x 192 and up (36,864 elements: equal at 1 row, 0.6-0.9x at 2-11 rows; 192 x 512:
+# 0.86x at 1 row, 0.32-0.67x at 2-11), while on 64 x 64 and 64 x 192 matrices XLA's
+# single-row product, a loop it fuses, is 0.1-0.4 us faster than a custom call. The 3.7M
+# demo target (all of its matrices >= 192 x 192) then verifies 5 tokens in 1.35-1.4
+# single steps against 2.3 with XLA's dots. (An earlier version of the kernel, without
+# multi-panel blocks for few rows, lost to XLA's dots on that model; a model-level
+# threshold of 32 MB of decoder weights kept it off then.)
+MIN_PACKED_ELEMENTS = 2 ** 15
 ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
 ENV_CACHE = "SPEC_DECODE_KERNEL_CACHE"
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"
@@ -199,6 +201,10 @@ class PackCache:
   def __init__(self, size: int = 4):
     self._size = size
     self._entries: list[tuple[tuple[int, ...], list[Any], Any]] = []
+
+  def made(self, tree) -> bool:
+    """Whether `tree` is one of the packed trees this cache holds (so needs no packing)."""
+    return any(packed is tree for _, _, packed in self._entries)
 
   def get(self, tree, make):
     leaves = jax.tree_util.tree_leaves(tree)

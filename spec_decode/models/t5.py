@@ -550,22 +550,22 @@ class T5(base.ParamSpecs):
   def decode_params(self, params: Params) -> Params:
     """`params` laid out for decoding on this backend; the same values.
 
-    On XLA:CPU with float32 weights, when the decoder's kernels are at least
-    `cpu_matmul.MIN_PACKED_BYTES` (weights that stream from memory rather than sit in
-    cache), every encoder and decoder kernel [I, O] becomes a `cpu_matmul.PackedKernel`,
-    which the model multiplies by with the weight-streaming CPU kernel (a verify call of
-    gamma + 1 tokens then reads each weight once, as a single-token step does).
-    Elsewhere, for smaller models, when the kernel is unavailable, or for streamed
-    parameters, `params` is returned as is. The packed copy is made once per parameter
-    tree (cached by the leaves' identity), so decoders call this per call.
+    On XLA:CPU with float32 weights, every encoder and decoder kernel [I, O] of at least
+    `cpu_matmul.MIN_PACKED_ELEMENTS` elements becomes a `cpu_matmul.PackedKernel`, which
+    the model multiplies by with the weight-streaming CPU kernel (a verify call of
+    gamma + 1 tokens then reads each weight once, as a single-token step does); smaller
+    matrices keep XLA's dot. Elsewhere, when no kernel is that large, when the kernel is
+    unavailable, or for streamed parameters, `params` is returned as is. The packed copy
+    is made once per parameter tree (cached by the leaves' identity), so decoders call
+    this per call.
     """
+    threshold = cpu_matmul.MIN_PACKED_ELEMENTS
     if (self.stream_params or self.config.dtype != jnp.float32
-        or _decoder_kernel_bytes(self.config) < cpu_matmul.MIN_PACKED_BYTES
-        or isinstance(params["decoder"]["layers_0"]["mlp"]["wo"]["kernel"],
-                      cpu_matmul.PackedKernel)  # packed already
+        or _largest_kernel_elements(self.config) < threshold
+        or _PACKED.made(params)
         or not cpu_matmul.available()):
       return params
-    return _PACKED.get(params, _pack_kernels)
+    return _PACKED.get(params, functools.partial(_pack_kernels, threshold=threshold))
 
   # ---------------------------------------------------------------- teacher forcing
   def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
@@ -589,19 +589,20 @@ _PACKED = cpu_matmul.PackCache()
 
 
 @functools.lru_cache(maxsize=None)
-def _decoder_kernel_bytes(config: T5Config) -> int:
-  """float32 bytes of the decoder's 2-D kernels (what a decode step reads)."""
-  return sum(4 * int(np.prod(shape)) for path, (shape, _, _) in T5(config)._param_specs().items()
-             if path.startswith("decoder/") and len(shape) == 2)
+def _largest_kernel_elements(config: T5Config) -> int:
+  """Elements of the model's largest 2-D kernel under encoder/ or decoder/."""
+  return max(int(np.prod(shape)) for path, (shape, _, _) in T5(config)._param_specs().items()
+             if path.split("/")[0] in ("encoder", "decoder") and len(shape) == 2)
 
 
-@jax.jit
-def _pack_kernels(params):
-  """Every 2-D `kernel` under encoder/ and decoder/ as a PackedKernel (float32)."""
+@functools.partial(jax.jit, static_argnames="threshold")
+def _pack_kernels(params, threshold: int):
+  """Every 2-D `kernel` under encoder/ and decoder/ with >= `threshold` elements as a
+  PackedKernel (float32); the others as they are (so a packed tree packs to itself)."""
   def visit(tree, name=None):
     if isinstance(tree, Mapping):
       return {k: visit(v, k) for k, v in tree.items()}
-    if name == "kernel" and getattr(tree, "ndim", 0) == 2:
+    if name == "kernel" and getattr(tree, "ndim", 0) == 2 and tree.size >= threshold:
       return cpu_matmul.pack(tree.astype(jnp.float32))
     return tree
   return {k: visit(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
