@@ -44,6 +44,13 @@ def check_tokens(tokens, name: str, vocab_size: int) -> jax.Array:
   fully addressable (a multi-host global array, of which a process holds only
   its own rows, is not checked).
   """
+  return jnp.asarray(validate_tokens(tokens, name, vocab_size), jnp.int32)
+
+
+def validate_tokens(tokens, name: str, vocab_size: int):
+  """`check_tokens`' checks without moving anything to the device: concrete, fully
+  addressable tokens come back as a numpy int32 array (read once), others (tracers,
+  multi-host global arrays) as they are, checked where they can be."""
   if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
     tokens = np.asarray(tokens)
   if tokens.ndim != 2:
@@ -52,13 +59,14 @@ def check_tokens(tokens, name: str, vocab_size: int) -> jax.Array:
     raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
   if tokens.shape[1] < 1 or tokens.shape[0] < 1:
     raise ValueError(f"{name} must be non-empty, got shape {tokens.shape}")
-  if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
-    arr = np.asarray(tokens)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-      raise ValueError(f"{name} has token ids in [{lo}, {hi}], outside the vocabulary "
-                       f"[0, {vocab_size})")
-  return jnp.asarray(tokens, jnp.int32)
+  if isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "is_fully_addressable", True):
+    return tokens
+  arr = np.asarray(tokens)
+  lo, hi = int(arr.min()), int(arr.max())
+  if lo < 0 or hi >= vocab_size:
+    raise ValueError(f"{name} has token ids in [{lo}, {hi}], outside the vocabulary "
+                     f"[0, {vocab_size})")
+  return arr.astype(np.int32, copy=False)
 
 
 def decoding_params(model, params):
