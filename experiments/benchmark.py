@@ -20,6 +20,12 @@ Reports, for the given mesh and batch size (timings after compilation,
     cost model that charges the measured verify ratio instead of Thm 3.8's
     assumption that verifying gamma + 1 tokens costs one step:
       E[tokens](alpha, gamma) / (gamma c + T_verify(gamma + 1) / T_p);
+  * the engine split: every timed end-to-end call's seconds fitted as a fixed cost plus
+    a cost per loop iteration (least squares over the calls, which ran different numbers
+    of iterations), for both decoders; the speculative iteration's loop work beyond its
+    model calls (gamma T_q + T_verify) as a fraction of one verify call, each call's
+    fixed cost against the models' set-up alone (encoder + cross-attention cache), the
+    loops' own speedup and the measured speedup as fractions of the cost model;
   * on GPU/TPU (or with --roofline on): bytes one target step reads / measured
     device copy bandwidth, the step's memory-roofline time, and its ratio to T_p.
 Random weights are fine for step costs; alpha and the speedup only mean
@@ -108,13 +114,15 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
     for f in fns.values():
       jax.block_until_ready(f(enc, i))
   seconds = {name: [] for name in fns}
+  per_call = {name: [math.inf] * len(encs) for name in fns}  # each batch's fastest call
   last = {}
   for _ in range(args.e2e_repeats):
     for name, f in fns.items():
       total, outs = 0.0, []
-      for enc, i in zip(encs, ids):
+      for b, (enc, i) in enumerate(zip(encs, ids)):
         t = timing.timed(lambda: f(enc, i))
         total += t.seconds[0]
+        per_call[name][b] = min(per_call[name][b], t.seconds[0])
         outs.append(t.result)
       seconds[name].append(total)
       last[name] = outs
@@ -130,10 +138,13 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
     toks = real(last[name], "lengths")
     med = _common.spread(seconds[name])
     # Loop iterations: a batch runs until its longest row is done.
-    steps = int(sum(np.asarray(r.stats.target_calls).max() for r in last[name]))
+    per_batch = [int(np.asarray(r.stats.target_calls).max()) for r in last[name]]
+    steps = int(sum(per_batch))
     out[name] = {"seconds": med, "tokens": toks, "iterations": steps,
                  "seconds_per_iteration": med["median"] / steps if steps else None,
-                 "tokens_per_second": toks / med["median"] if med["median"] > 0 else None}
+                 "tokens_per_second": toks / med["median"] if med["median"] > 0 else None,
+                 # seconds of a call = fixed + per_iteration * its loop iterations
+                 "call_fit": costs.fixed_and_per_iteration(per_call[name], per_batch)}
   spec = last["speculative"]
   decisions = real(spec, "decisions")
   out["alpha"] = metrics.alpha_estimate(min_pq_sum=real(spec, "min_pq_sum"), decisions=decisions)
@@ -143,6 +154,44 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
   ar, sp = out["autoregressive"]["tokens_per_second"], out["speculative"]["tokens_per_second"]
   out["speedup"] = sp / ar if ar and sp else None
   return out
+
+
+def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
+            enc) -> dict[str, Any] | None:
+  """The decoders' costs split into a fixed cost per call and a cost per loop iteration
+  (`costs.fixed_and_per_iteration` over the end-to-end calls), against the model calls
+  an iteration makes: what the engine spends beyond the models.
+
+  loop_work: per speculative iteration, beyond gamma T_q + T_verify(gamma + 1) (the
+    issue's goal: <= 25% of one verify call); ar_loop_work: per autoregressive step,
+    beyond T_p. setup: each model's encoding and cross-attention cache alone (a fixed
+    cost), so that the speculative call's fixed cost can be compared with the
+    autoregressive call's plus the draft's set-up. loop_speedup: the two loops alone
+    (per-iteration costs times iterations, no fixed costs) and its ratio to the cost
+    model; efficiency: the measured end-to-end speedup over the cost model.
+  """
+  ar_fit, sp_fit = e2e["autoregressive"]["call_fit"], e2e["speculative"]["call_fit"]
+  if ar_fit is None or sp_fit is None or verify is None or model_row is None:
+    return None
+  room = args.decode_len + max(args.gammas) + 1
+  setup = {role: costs.setup_seconds(m, p, enc, cache_length=room, repeats=args.repeats,
+                                     compiler_options=args.compiler_options)["median"]
+           for role, m, p in (("target", target, tparams), ("draft", draft, dparams))}
+  model_calls = args.gamma * res["draft_step"]["median"] + verify
+  loop_work = sp_fit["per_iteration"] - model_calls
+  loop_ar = ar_fit["per_iteration"] * e2e["autoregressive"]["iterations"]
+  loop_sp = sp_fit["per_iteration"] * e2e["speculative"]["iterations"]
+  cost_model = model_row.get("cost_model")
+  loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
+  return {
+      "setup_seconds": setup, "model_calls_per_iteration": model_calls,
+      "loop_work": loop_work, "loop_work_over_verify": loop_work / verify,
+      "ar_loop_work": ar_fit["per_iteration"] - res["target_step"]["median"],
+      "fixed_ar": ar_fit["fixed"], "fixed_spec": sp_fit["fixed"],
+      "fixed_excess": sp_fit["fixed"] - (ar_fit["fixed"] + setup["draft"]),
+      "loop_speedup": loop_speedup,
+      "loop_efficiency": loop_speedup / cost_model if loop_speedup and cost_model else None,
+      "efficiency": e2e["speedup"] / cost_model if e2e["speedup"] and cost_model else None}
 
 
 def _roofline(args, target, step, t_p: float) -> dict[str, Any]:
@@ -200,6 +249,9 @@ def run(args) -> dict[str, Any]:
     e2e["spec_overhead_per_iteration"] = (
         sp["seconds_per_iteration"] - args.gamma * result["draft_step"]["median"] - verify
         if sp["seconds_per_iteration"] and verify is not None else None)
+    model_row = next((r for r in rows if r["gamma"] == args.gamma), None)
+    e2e["engine"] = _engine(args, result, e2e, verify, model_row, target, tparams, draft,
+                            dparams, enc)
   roofline = args.roofline == "on" or (args.roofline == "auto" and
                                        jax.default_backend() in ("gpu", "tpu"))
   result["roofline"] = _roofline(args, target, pc["target_fn"],
@@ -247,6 +299,7 @@ def _summary_md(args, res: dict[str, Any]) -> str:
         + next((fmt(r.get('thm38'), 2, 'X') + "; cost model: " + fmt(r.get('cost_model'), 2, 'X')
                 for r in res["gammas"] if r["gamma"] == args.gamma),
                "n/a (gamma not among --gammas)")]
+    lines += _engine_md(e)
   rl = res["roofline"]
   if rl is None:
     lines.append(f"- memory roofline: not measured on {jax.default_backend()} "
@@ -261,6 +314,32 @@ def _summary_md(args, res: dict[str, Any]) -> str:
                    f"/ {gb:.1f} GB/s copy bandwidth = {rl['roofline_seconds'] * 1e3:.4f} ms, "
                    f"{rl['roofline_fraction']:.3f} of T_p")
   return "\n".join(lines) + "\n"
+
+
+def _engine_md(e) -> list[str]:
+  g = e.get("engine")
+  if g is None:
+    return ["- engine split (fixed cost per call, cost per iteration): n/a (the calls ran "
+            "too few distinct iteration counts to separate them)"]
+  fit = lambda name: e[name]["call_fit"]
+  return [
+      "- engine split (least squares over the timed calls: seconds = fixed + per iteration x "
+      "iterations; residual rms autoregressive "
+      f"{_ms(fit('autoregressive')['residual_rms'])} ms, speculative "
+      f"{_ms(fit('speculative')['residual_rms'])} ms):",
+      f"  - per iteration: autoregressive {_ms(fit('autoregressive')['per_iteration'])} ms "
+      f"(T_p + {_ms(g['ar_loop_work'])} ms of loop work); speculative "
+      f"{_ms(fit('speculative')['per_iteration'])} ms = model calls (gamma T_q + T_verify) "
+      f"{_ms(g['model_calls_per_iteration'])} ms + loop work {_ms(g['loop_work'])} ms "
+      f"(**{fmt(g['loop_work_over_verify'], 2)} of one verify call**; goal <= 0.25)",
+      f"  - fixed cost per call: autoregressive {_ms(g['fixed_ar'])} ms, speculative "
+      f"{_ms(g['fixed_spec'])} ms; set-up alone (encoder + cross-attention cache): target "
+      f"{_ms(g['setup_seconds']['target'])} ms, draft {_ms(g['setup_seconds']['draft'])} ms; "
+      f"speculative - (autoregressive + draft set-up) = **{_ms(g['fixed_excess'])} ms** "
+      "(goal <= 0)",
+      f"  - the loops alone (per-iteration cost x iterations, no fixed costs): "
+      f"{fmt(g['loop_speedup'], 2, 'X')}, **{fmt(g['loop_efficiency'], 2)} of the cost "
+      f"model**; end to end: **{fmt(g['efficiency'], 2)} of the cost model** (goal >= 0.9)"]
 
 
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -312,7 +391,9 @@ def parse_args(argv: Sequence[str]):
                  help="decode steps per timed call, in one jitted loop (see costs.py)")
   p.add_argument("--num_examples", type=int, default=None,
                  help="end-to-end inputs (default max(8, batch_size))")
-  p.add_argument("--e2e_repeats", type=int, default=3)
+  p.add_argument("--e2e_repeats", type=int, default=5,
+                 help="timed passes over the end-to-end inputs (tokens/s: median pass; the "
+                 "engine split: each call's fastest)")
   p.add_argument("--marginal", default="on", choices=("on", "off"),
                  help="step costs as the marginal cost of one more decode in a loop (loops of "
                  "k and 2k steps; default), or off: a k-step call divided by k, which charges "

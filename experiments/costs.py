@@ -104,6 +104,45 @@ def pair_costs(target, target_params, draft, draft_params, encoder_tokens, *,
           "target_fn": target_fn, "marginal": marginal}
 
 
+def fixed_and_per_iteration(seconds, iterations) -> dict[str, float] | None:
+  """Least-squares fit seconds = fixed + per_iteration * iterations over decode calls.
+
+  A decode call pays a fixed cost (encoding, cache set-up, loop entry, host work) once and
+  its loop body once per iteration; timing calls that ran different numbers of iterations
+  separates the two without instrumenting the loop. None when the calls do not span at
+  least two distinct iteration counts (the fit is then undetermined).
+  """
+  t = np.asarray(seconds, np.float64)
+  it = np.asarray(iterations, np.float64)
+  if t.shape != it.shape or t.ndim != 1:
+    raise ValueError(f"seconds and iterations must be equal-length vectors, got {t.shape}, "
+                     f"{it.shape}")
+  if np.unique(it).size < 2:
+    return None
+  a = np.stack([np.ones_like(it), it], axis=1)
+  (fixed, per_iteration), *_ = np.linalg.lstsq(a, t, rcond=None)
+  residual = t - a @ np.array([fixed, per_iteration])
+  return {"fixed": float(fixed), "per_iteration": float(per_iteration),
+          "residual_rms": float(np.sqrt(np.mean(residual ** 2))), "calls": int(t.size)}
+
+
+def setup_seconds(model, params, encoder_tokens, *, cache_length: int, repeats: int = 10,
+                  compiler_options=None) -> dict[str, float]:
+  """Seconds of a decode call's set-up for `model` alone: encoding `encoder_tokens` and
+  filling the cross-attention cache, one jitted call on the inputs and parameter layout
+  `decoding.run` uses (trimmed padding, `decoding_params`); `spread` of `repeats` calls."""
+  from spec_decode import compile_options
+  from spec_decode.decoding import runner
+  from spec_decode.models import base
+  tokens = runner.trim_padding(np.asarray(encoder_tokens))
+  params = base.decoding_params(model, params)
+  options = dict(compile_options.resolve(compiler_options))
+  fn = jax.jit(lambda p, e: model.init_cache(p, model.encode(p, e), cache_length),
+               compiler_options=options or None)
+  t = timing.timed(lambda: fn(params, tokens), repeats=repeats, warmup=2)
+  return spread(t.seconds)
+
+
 def ratios(num: list[float], den: list[float]) -> list[float]:
   """Per-round ratios num[r] / den[r]."""
   return [a / b for a, b in zip(num, den)]

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, demo_quality, heads, paper_tables,
-                         peers, reproduce, results_readme, setups, trees,
+from experiments import (ablate, batch_scaling, benchmark, costs, demo_quality, heads,
+                         paper_tables, peers, reproduce, results_readme, setups, trees,
                          verify_scaling)
 from spec_decode import decoding, theory
 from spec_decode.models import delayed as delay
@@ -249,7 +249,18 @@ def test_benchmark_tiny(out):
   np.testing.assert_allclose(g7["thm38"], theory.walltime_improvement(
       s["e2e"]["alpha"], 7, s["c"]["median"]), rtol=1e-6)
   text = open(paths["md"]).read()
-  assert "T_p (target step)" in text and "memory roofline" in text
+  assert "T_p (target step)" in text and "memory roofline" in text and "engine split" in text
+
+
+def test_call_fit_separates_fixed_and_per_iteration_costs():
+  iterations = np.array([3, 5, 5, 8, 12])
+  seconds = 0.004 + 0.0006 * iterations + np.array([1, -1, 1, -1, 0]) * 1e-5
+  fit = costs.fixed_and_per_iteration(seconds, iterations)
+  np.testing.assert_allclose([fit["fixed"], fit["per_iteration"]], [0.004, 0.0006], rtol=0.02)
+  assert fit["calls"] == 5 and 0 < fit["residual_rms"] < 2e-5
+  assert costs.fixed_and_per_iteration([0.1, 0.2], [4, 4]) is None  # one iteration count
+  with pytest.raises(ValueError, match="equal-length"):
+    costs.fixed_and_per_iteration([0.1, 0.2], [4])
 
 
 def test_peers_tiny(out):
