@@ -56,7 +56,10 @@ class ExperimentConfig:
   empty (the default) means {"speculative": Speculative(gamma, lenience)}, and
   only then are gamma and lenience read: gamma None picks it with
   theory.optimal_gamma (up to max_gamma) from alpha and c measured on the first
-  gamma_warmup_examples examples (see `choose_gamma`). temperature, top_k, top_p:
+  gamma_warmup_examples examples (see `choose_gamma`), by gamma_rule: 'cost_model'
+  (default) also measures what verifying 2 .. max_gamma + 1 tokens costs and
+  maximizes E[tokens] / (gamma c + T_verify(gamma + 1) / T_p); 'thm_3_8' maximizes
+  Theorem 3.8's factor, which charges a verify call one step. temperature, top_k, top_p:
   sampling, the same for every decoder (temperature 0 = greedy). seed: the PRNG key.
   run_baseline: also decode autoregressively (the baseline of every speedup),
   as the decoder named "autoregressive". draft: the draft model of the decoders
@@ -84,6 +87,7 @@ class ExperimentConfig:
   gamma: int | None = 7
   gamma_warmup_examples: int = 4
   max_gamma: int = 10
+  gamma_rule: str = "cost_model"
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -129,6 +133,9 @@ class ExperimentConfig:
       raise ValueError("gamma None (automatic choice) applies only to the default decoder; "
                        "with ExperimentConfig.decoders set, give each Speculative its gamma")
 
+    if self.gamma_rule not in GAMMA_RULES:
+      raise ValueError(f"ExperimentConfig.gamma_rule must be one of {GAMMA_RULES}, got "
+                       f"{self.gamma_rule!r}")
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
     if self.gamma is not None and (not _is_int(self.gamma) or self.gamma < 1):
@@ -195,6 +202,8 @@ class ExperimentConfig:
     d["logical_axis_rules"] = [list(r) for r in self.logical_axis_rules]
     if d["compiler_options"] is None:
       del d["compiler_options"]  # recorded only when set, so older runs' config.json match
+    if self.gamma is not None:
+      del d["gamma_rule"]  # read only when gamma is chosen automatically
     return d
 
   @property
@@ -212,6 +221,16 @@ def _is_int(x) -> bool:
 BASELINE = "autoregressive"
 DEFAULT_DECODER = "speculative"
 _PROBE_GAMMA = 4
+GAMMA_RULES = ("cost_model", "thm_3_8")
+
+
+def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
+  """The verify sizes N = gamma + 1 whose cost `choose_gamma` measures for its cost model:
+  2 .. 6 and then every other size up to max_gamma + 1 (the cost model interpolates
+  between them; each size is one more compiled step timer)."""
+  top = max_gamma + 1
+  return tuple(sorted({n for n in range(2, min(top, 6) + 1)} | set(range(6, top + 1, 2))
+                      | {top}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,12 +424,12 @@ def _compile_input_lengths(s: _Setup, fns, batches) -> None:
         jax.block_until_ready(f(enc, ids))
 
 
-def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
+def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str, Any]:
   """Single-token step times of target and draft on one batch, c, and verify cost ratios.
 
   verify_ratio_by_tokens[n] = T_verify(n) / T_p for every n = K + 1 some decoder
-  verifies at once (K its largest proposal); verify_ratio is the primary
-  decoder's (n = gamma + 1). Without a draft only the target step is timed. The draft's
+  verifies at once (K its largest proposal) and every n in `verify_tokens`;
+  verify_ratio is the primary decoder's (n = gamma + 1). Without a draft only the target step is timed. The draft's
   step is a draft model's single-token step, an EAGLE head's drafting step, or for heads
   proposing several tokens per call (Medusa, MTP) their `token_seconds`.
   """
@@ -418,7 +437,7 @@ def measure_step_times(s: _Setup, *, repeats: int) -> dict[str, Any]:
   batch = s.examples[:cfg.batch_size]
   enc, _ = _inputs(s, batch)
   sizes = sorted({a.max_proposal + 1 for a in cfg.algorithms.values()
-                  if hasattr(a, "max_proposal")})
+                  if hasattr(a, "max_proposal")} | set(verify_tokens))
   length = cfg.decode_len + max(sizes, default=1)  # the speculative loop's cache size
   kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh,
             compiler_options=cfg.compiler_options)
@@ -464,13 +483,18 @@ def _broadcast(x):
 
 
 def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
-  """The gamma maximizing Thm 3.8 for alpha and c measured on warm-up examples.
+  """The gamma maximizing the expected speedup for alpha and costs measured on warm-up
+  examples, by `ExperimentConfig.gamma_rule`.
 
   alpha: the estimator (sum of beta over decided positions / decisions) of a
   speculative decode of the first `gamma_warmup_examples` examples with gamma 4
   (alpha does not depend on gamma); c: draft / target single-token step time on
-  one batch. The choice is written to output_dir/gamma.json and reused on
-  resume. Process 0 decides whether a recorded choice exists, so every process
+  one batch; with the 'cost_model' rule also t(N) = T_verify(N) / T_p on that batch for
+  N in `verify_probe_tokens(max_gamma)`, interpolated between them
+  (`theory.optimal_gamma(..., verify_ratio=t)`): on a target whose verify call costs
+  more than a step (a CPU, a large batch) Thm 3.8 picks too large a gamma. Both rules'
+  choices and predictions are recorded. The choice is written to output_dir/gamma.json
+  and reused on resume. Process 0 decides whether a recorded choice exists, so every process
   either reads it or joins the same warm-up decodes.
   """
   path = f"{output_dir}/{GAMMA_FILE}"
@@ -496,10 +520,23 @@ def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
       raise ValueError(f"the {len(warmup)} warm-up examples made no draft decisions (every "
                        "output ended at once), so alpha is unknown: set gamma explicitly or "
                        "raise gamma_warmup_examples")
-    c = measure_step_times(probe, repeats=cfg.step_timing_repeats)["c"]
-    gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma))
-    choice = {"gamma": gamma, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
-              "predicted_speedup": float(theory.walltime_improvement(alpha, gamma, c))}
+    measured = cfg.gamma_rule == "cost_model"
+    steps = measure_step_times(probe, repeats=cfg.step_timing_repeats, verify_tokens=(
+        verify_probe_tokens(cfg.max_gamma) if measured else ()))
+    c = steps["c"]
+    thm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma))
+    choice = {"rule": cfg.gamma_rule, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
+              "thm_3_8": {"gamma": thm_gamma, "predicted_speedup": float(
+                  theory.walltime_improvement(alpha, thm_gamma, c))}}
+    if measured:
+      ratios = {int(n): r for n, r in steps["verify_ratio_by_tokens"].items()}
+      cm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma,
+                                          verify_ratio=ratios))
+      choice["verify_ratio_by_tokens"] = {str(n): r for n, r in sorted(ratios.items())}
+      choice["cost_model"] = {"gamma": cm_gamma, "predicted_speedup": float(
+          theory.cost_model_improvement(alpha, cm_gamma, c, ratios))}
+    choice["gamma"] = choice[cfg.gamma_rule]["gamma"]
+    choice["predicted_speedup"] = choice[cfg.gamma_rule]["predicted_speedup"]
     if _is_writer():
       results.write_json(path, choice)
   gamma = int(_broadcast(np.int32(choice["gamma"] if _is_writer() else 0)))

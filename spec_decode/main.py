@@ -167,10 +167,15 @@ def format_summary(summary: dict) -> str:
                  f"{timing.get('target_step_seconds', 0) * 1e3:.2f} ms)")
   choice = summary.get("gamma_selection")
   if choice:
-    lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma from alpha "
-                 f"{choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
+    how = ("the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) with the verify "
+           "costs measured" if choice.get("rule", "thm_3_8") == "cost_model" else "Thm 3.8")
+    lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma ({how}) from "
+                 f"alpha {choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
                  f"{choice['warmup_examples']} warm-up examples; alpha and c above are from the "
-                 "full run")
+                 "full run"
+                 + (f"; Thm 3.8 would pick gamma {choice['thm_3_8']['gamma']}"
+                    if "thm_3_8" in choice and choice['thm_3_8']['gamma'] != choice['gamma']
+                    else ""))
   for name, values in summary.get("metrics", {}).items():
     lines.append(f"quality, {name}: " + ", ".join(f"{k} {v:.2f}"
                                                  for k, v in sorted(values.items())))

@@ -105,14 +105,35 @@ def speculation_helps(alpha, c):
   return _out(_alpha(alpha) > _cost(c, "c"))
 
 
-def optimal_gamma(alpha, c, *, max_gamma: int = _DEFAULT_MAX_GAMMA):
-  """The integer gamma in [1, max_gamma] maximizing Theorem 3.8's improvement factor.
+def cost_model_improvement(alpha, gamma, c, verify_ratio):
+  """Expected walltime improvement when a verify call costs what was measured:
+  E[tokens](alpha, gamma) / (gamma c + t(gamma + 1)), t(N) = T_verify(N) / T_p.
 
-  The paper finds it numerically (its Figure 3); so does this, by evaluating
-  every gamma (the factor is unimodal in gamma). Ties go to the smallest gamma.
-  When no gamma helps (alpha <= c, see `speculation_helps`) the result is still
+  Theorem 3.8 is the case t = 1 (scoring gamma + 1 tokens costs one step, as when
+  the target is memory bound). verify_ratio: {N: t(N)} measured, interpolated linearly
+  between measured N (`interpolate_cost`, no extrapolation).
+  """
+  c = _cost(c, "c")
+  g = _gamma(gamma)
+  t = np.vectorize(lambda n: interpolate_cost(verify_ratio, float(n)), otypes=[np.float64])(
+      g + 1)
+  if (t <= 0).any():
+    raise ValueError(f"verify cost ratios must be > 0, got {dict(verify_ratio)}")
+  return _out(expected_tokens(alpha, gamma) / (g * c + t))
+
+
+def optimal_gamma(alpha, c, *, max_gamma: int = _DEFAULT_MAX_GAMMA, verify_ratio=None):
+  """The integer gamma in [1, max_gamma] maximizing the expected improvement factor.
+
+  Without verify_ratio, Theorem 3.8's factor (a verify call costs one step). The paper
+  finds it numerically (its Figure 3); so does this, by evaluating every gamma (the
+  factor is unimodal in gamma). With verify_ratio {N: T_verify(N) / T_p} measured for N
+  from 2 to max_gamma + 1 (interpolated between measured N), the factor of
+  `cost_model_improvement`, which charges what verifying gamma + 1 tokens costs where
+  that is more than a step (compute-bound targets, batches). Ties go to the smallest
+  gamma. When no gamma helps (alpha <= c, see `speculation_helps`) the result is still
   the best gamma, which is then 1 and its factor <= 1: callers decide whether to
-  speculate at all. When the factor keeps growing (c = 0 with alpha > 0, or
+  speculate at all. When Thm 3.8's factor keeps growing (c = 0 with alpha > 0, or
   alpha = 1 with c < 1) the result is max_gamma.
   """
   if not isinstance(max_gamma, (int, np.integer)) or isinstance(max_gamma, bool) \
@@ -120,7 +141,10 @@ def optimal_gamma(alpha, c, *, max_gamma: int = _DEFAULT_MAX_GAMMA):
     raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
   a, c = np.broadcast_arrays(_alpha(alpha), _cost(c, "c"))
   gammas = np.arange(1, int(max_gamma) + 1)
-  factors = walltime_improvement(a[..., None], gammas, c[..., None])
+  if verify_ratio is None:
+    factors = walltime_improvement(a[..., None], gammas, c[..., None])
+  else:
+    factors = cost_model_improvement(a[..., None], gammas, c[..., None], verify_ratio)
   return _out(gammas[np.argmax(factors, axis=-1)])
 
 

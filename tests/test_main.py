@@ -339,6 +339,8 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
   flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=4", "--gin.BATCH_SIZE=2",
            "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.TEMPERATURE=1.0",
            "--gin.ExperimentConfig.gamma_warmup_examples=2",
+           # Thm 3.8's rule: the cost model's extra verify timers are covered on one process
+           "--gin.ExperimentConfig.gamma_rule='thm_3_8'",
            "--gin.ExperimentConfig.mesh='data=2,model=2'"]
   fast = "--xla_backend_optimization_level=0"  # as conftest.py: compile time rules here
   env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -374,7 +376,13 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   choice = summary["gamma_selection"]
   with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
     assert json.load(f) == choice
-  assert choice["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"], max_gamma=10)
+  # The default rule charges the measured verify costs (N = 2..6, 8, 10, 11 tokens).
+  ratios = {int(n): r for n, r in choice["verify_ratio_by_tokens"].items()}
+  assert choice["rule"] == "cost_model" and sorted(ratios) == [2, 3, 4, 5, 6, 8, 10, 11]
+  assert choice["gamma"] == choice["cost_model"]["gamma"] == theory.optimal_gamma(
+      choice["alpha"], choice["c"], max_gamma=10, verify_ratio=ratios)
+  assert choice["thm_3_8"]["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"],
+                                                            max_gamma=10)
   assert 0.0 <= choice["alpha"] <= 1.0 and choice["c"] > 0 and choice["warmup_examples"] == 2
   assert summary["experiment"]["gamma"] == choice["gamma"]
   assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == choice["gamma"]

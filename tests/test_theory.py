@@ -124,6 +124,28 @@ def test_optimal_gamma_monotone_trends():
                              [1.6333, 1.6738, 1.6469], atol=1e-4)
 
 
+def test_cost_model_gamma_charges_the_measured_verify_cost():
+  alphas, cs = np.linspace(0.3, 0.95, 7), np.linspace(0.0, 0.3, 5)
+  flat = {n: 1.0 for n in range(2, 12)}
+  for a in alphas:
+    for c in cs:  # a verify that costs one step is Thm 3.8
+      assert theory.optimal_gamma(a, c, max_gamma=10, verify_ratio=flat) == \
+          theory.optimal_gamma(a, c, max_gamma=10)
+      np.testing.assert_allclose(theory.cost_model_improvement(a, 4, c, flat),
+                                 theory.walltime_improvement(a, 4, c))
+  # A verify whose cost grows with its tokens (compute bound) wants a shorter draft;
+  # sparse measurements are interpolated linearly.
+  steep = {2: 1.5, 5: 3.0, 11: 6.0}
+  g = theory.optimal_gamma(0.8, 0.02, max_gamma=10, verify_ratio=steep)
+  brute = max(range(1, 11), key=lambda k: theory.expected_tokens(0.8, k) / (
+      0.02 * k + np.interp(k + 1, [2, 5, 11], [1.5, 3.0, 6.0])))
+  assert g == brute < theory.optimal_gamma(0.8, 0.02, max_gamma=10)
+  with pytest.raises(ValueError, match="outside the measured cost curve"):
+    theory.optimal_gamma(0.8, 0.02, max_gamma=12, verify_ratio=steep)
+  with pytest.raises(ValueError, match="must be > 0"):
+    theory.cost_model_improvement(0.8, 1, 0.1, {2: 0.0, 3: 1.0})
+
+
 def test_optimal_gamma_edge_rules():
   # Factor keeps growing: c = 0 (alpha > 0) or alpha = 1 (c < 1) -> max_gamma.
   assert theory.optimal_gamma(0.5, 0.0, max_gamma=12) == 12
