@@ -155,6 +155,10 @@ def format_summary(summary: dict) -> str:
   if summary.get("speedup_predicted") is not None:
     lines.append(f"predicted speedup {_x(summary['speedup_predicted'])}: Thm 3.8 from alpha "
                  f"{summary['alpha']:.3f} and c {c:.3f} (below)")
+  if summary.get("cost_model_speedup") is not None and timing.get("verify_ratio"):
+    lines.append(f"cost model {_x(summary['cost_model_speedup'])}: E[tokens] / (gamma c + "
+                 f"T_verify(gamma+1) / T_p), charging the measured verify cost "
+                 f"T_verify / T_p = {timing['verify_ratio']:.2f} (Thm 3.8 charges 1)")
   if summary.get("alpha") is not None:
     observed = summary.get("alpha_observed")
     lines.append(f"alpha {summary['alpha']:.3f}: expected acceptance rate, mean over drafted "
