@@ -1,6 +1,8 @@
 r"""Speedup of speculative decoding against batch size, which the paper never measured.
 
   python -m experiments.batch_scaling                          # demo EnDe pair, B = 1,4,16,64
+  python -m experiments.batch_scaling --demo_target ende_target_big --batch_sizes 1,8 \
+      --num_examples 48 --gamma auto --compact_batch
   python -m experiments.batch_scaling --scale tiny --batch_sizes 1,2 --num_examples 2
   python -m experiments.batch_scaling --scale paper \
       --checkpoints ende_target=gs://B/xxl_ende/ckpt,ende_small=gs://B/small_ende/ckpt
@@ -45,18 +47,24 @@ def run(args) -> list[dict[str, Any]]:
         gamma=args.gamma, temperature=args.temperature, batch_size=B,
         num_examples=args.num_examples, step_timing_repeats=args.step_timing_repeats,
         timing_repeats=args.timing_repeats), *args.gin_bindings)
+    if args.gamma is None:
+      s = s.with_bindings("GAMMA = None")  # chosen per batch size by the measured cost model
+    if args.compact_batch:
+      s = s.with_bindings("ExperimentConfig.compact_batch = True")
     run_dir = os.path.join(args.runs_dir, args.scale, f"{args.demo_target or args.task}_"
-                           f"{args.draft}_t{args.temperature:g}_g{args.gamma}_b{B}")
+                           f"{args.draft}_t{args.temperature:g}_g{args.gamma or 'auto'}_b{B}"
+                           + ("_compact" if args.compact_batch else ""))
     print(f"batch {B} -> {run_dir}", flush=True)
     summary = setups.run(s, run_dir, show_progress=args.progress)
-    pc = _costs(args, s, B)
+    gamma = summary["experiment"]["gamma"]
+    pc = _costs(args, s, B, gamma)
     t = summary["timing"]
     n = summary["completed"]
     lengths = summary["mean_output_length"]
-    alpha, c, r = summary["alpha"], pc["c"]["median"], pc["verify_ratio"][args.gamma]["median"]
+    alpha, c, r = summary["alpha"], pc["c"]["median"], pc["verify_ratio"][gamma]["median"]
     ok = alpha is not None and not math.isnan(alpha)
     rows.append({
-        "batch_size": B, "examples": n, "alpha": alpha,
+        "batch_size": B, "gamma": gamma, "examples": n, "alpha": alpha,
         "tokens_per_call": summary["tokens_per_target_call"], "c": c, "verify_ratio": r,
         "c_spread": pc["c"], "c_run": t["c"], "verify_ratio_run": t["verify_ratio"],
         "thm38_run": summary["speedup_predicted"],
@@ -66,14 +74,14 @@ def run(args) -> list[dict[str, Any]]:
         / t["autoregressive_seconds"],
         "speculative_tokens_per_s": lengths["speculative"] * n / t["speculative_seconds"],
         "speedup": summary["speedup_measured"],
-        "thm38": float(theory.walltime_improvement(alpha, args.gamma, c)) if ok else None,
-        "cost_model": float(theory.expected_tokens(alpha, args.gamma)) / (args.gamma * c + r)
+        "thm38": float(theory.walltime_improvement(alpha, gamma, c)) if ok else None,
+        "cost_model": float(theory.expected_tokens(alpha, gamma)) / (gamma * c + r)
         if ok else None,
         "identical": summary.get("identical_fraction"), "command": s.command(run_dir)})
   return rows
 
 
-def _costs(args, setup: setups.Setup, B: int) -> dict[str, Any]:
+def _costs(args, setup: setups.Setup, B: int, gamma: int) -> dict[str, Any]:
   """In-loop, interleaved step costs of the run's target and draft on its first batch."""
   import jax.numpy as jnp
 
@@ -83,7 +91,7 @@ def _costs(args, setup: setups.Setup, B: int) -> dict[str, Any]:
   enc = jnp.asarray(data.encoder_batch(list(st.examples[:B]), batch_size=B,
                                        input_length=cfg.feature_lengths["inputs"]))
   return costs.pair_costs(st.target, st.target_params, st.draft, st.draft_params, enc,
-                          gammas=(args.gamma,), cache_length=cfg.decode_len + args.gamma + 1,
+                          gammas=(gamma,), cache_length=cfg.decode_len + gamma + 1,
                           position=cfg.decode_len // 2, steps=args.loop_steps,
                           repeats=args.repeats, inner=args.inner)
 
@@ -121,7 +129,11 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--task", default="ende", choices=setups.TASKS)
   p.add_argument("--draft", default="small", choices=setups.DRAFTS)
   p.add_argument("--batch_sizes", default="1,4,16,64")
-  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--gamma", default="4", help="draft tokens per call, or 'auto': chosen at "
+                 "each batch size by the cost model with the verify costs measured at that "
+                 "batch size (ExperimentConfig.gamma_rule)")
+  p.add_argument("--compact_batch", action="store_true",
+                 help="both decoders shrink their batch as rows finish (compact_batch)")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--num_examples", type=int, default=None,
                  help="examples decoded at every batch size (default: the largest batch)")
@@ -145,8 +157,15 @@ def parse_args(argv: Sequence[str]):
   args = p.parse_args(list(argv))
   args.batch_sizes = _common.parse_ints(args.batch_sizes, "batch_sizes")
   args.num_examples = args.num_examples or max(args.batch_sizes)
-  if args.gamma < 1:
-    p.error("--gamma must be >= 1")
+  if args.gamma == "auto":
+    args.gamma = None
+  else:
+    try:
+      args.gamma = int(args.gamma)
+    except ValueError:
+      p.error(f"--gamma must be an int >= 1 or 'auto', got {args.gamma!r}")
+    if args.gamma < 1:
+      p.error("--gamma must be >= 1")
   return args
 
 
@@ -157,9 +176,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
       k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
   rows = run(args)
   _common.finish_meta(meta)
-  stem = args.demo_target or args.task
+  stem = (args.demo_target or args.task) + ("_compact" if args.compact_batch else "")
   x = lambda v: fmt(v, 2, "X")
-  cols = [Column("batch_size", "batch"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
+  cols = [Column("batch_size", "batch"), Column("gamma", "gamma"),
+          Column("alpha", "alpha", lambda v: fmt(v, 3)),
           Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
           Column("target_step_ms", "T_p ms", lambda v: fmt(v, 3)),
           Column("draft_step_ms", "T_q ms", lambda v: fmt(v, 3)),
@@ -170,14 +190,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
           Column("cost_model", "cost model", x)]
   target = f", target {args.demo_target}" if args.demo_target else ""
-  notes = [f"{args.scale} scale, task {args.task}{target}, draft {args.draft}, gamma {args.gamma}, "
+  gamma = (f"gamma {args.gamma}" if args.gamma else "gamma chosen at each batch size by the "
+           "cost model with the verify costs measured at that batch size")
+  notes = [f"{args.scale} scale, task {args.task}{target}, draft {args.draft}, {gamma}, "
            f"temperature {args.temperature:g}, the same {args.num_examples} examples at every "
            "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",
            f"T_p, T_q, c, T_verify/T_p: {args.repeats} interleaved rounds of {args.inner} calls "
            f"of {args.loop_steps} steps in one jitted loop, at that batch size (medians); "
            "Thm 3.8 and the cost model use them with the run's alpha. Rows of a batch finish "
            "at different lengths and a batch runs until its longest row is done, in both "
-           "decoders."]
+           "decoders" + ("; both decoders shrink their batch as rows finish (compact_batch: "
+                         "halved whenever at most half its rows are active)."
+                         if args.compact_batch else ", computing every finished row.")]
   figures = []
   os.makedirs(args.results_dir, exist_ok=True)
   if args.plots:

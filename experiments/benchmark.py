@@ -98,8 +98,9 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
                 **({"mesh": mesh} if mesh is not None else {}))
   if mesh is None:
     common["compiler_options"] = args.compiler_options
-  algos = {"autoregressive": decoding.Autoregressive(),
-           "speculative": decoding.Speculative(gamma=args.gamma)}
+  algos = {"autoregressive": decoding.Autoregressive(compact_batch=args.compact_batch),
+           "speculative": decoding.Speculative(gamma=args.gamma,
+                                               compact_batch=args.compact_batch)}
   fns = {name: (lambda enc, ids, a=a: decoding.run(
       a, target, tparams, enc, row_ids=ids,
       **(dict(draft=draft, draft_params=dparams) if a.needs_draft else {}), **common))
@@ -401,6 +402,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--compiler_options", default=None,
                  help="JSON XLA options of every compiled loop, e.g. '{}' for XLA's defaults "
                  "(default: spec_decode.compile_options' defaults for the backend)")
+  p.add_argument("--compact_batch", action="store_true",
+                 help="end-to-end decoders shrink their batch as rows finish (batch > 1)")
   p.add_argument("--no_e2e", dest="e2e", action="store_false")
   p.add_argument("--roofline", default="auto", choices=("auto", "on", "off"))
   p.add_argument("--copy_mib", type=int, default=512)
@@ -442,7 +445,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("verify_ratio", "T_verify(gamma+1) / T_p", fmt_spread),
           Column("thm38", "Thm 3.8 speedup", lambda v: fmt(v, 2, "X")),
           Column("cost_model", "cost-model speedup", lambda v: fmt(v, 2, "X"))]
-  notes = [f"batch {args.batch_size}, mesh {args.mesh or 'none (one device)'}, inputs "
+  notes = [f"batch {args.batch_size}" + (" (both end-to-end decoders shrink their batch as "
+                                          "rows finish, compact_batch)"
+                                          if args.compact_batch else "")
+           + f", mesh {args.mesh or 'none (one device)'}, inputs "
            f"{args.input_length} tokens ({args.task or 'random ids'}"
            + ("; unsharded runs encode them trimmed of all-padding columns to a power of "
               "two, decoding.runner.input_length" if not args.mesh else "") + "), cache of "

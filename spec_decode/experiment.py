@@ -73,7 +73,9 @@ class ExperimentConfig:
   instead of gs://t5-data's; tfds_data_dir: where TFDS data is prepared.
   compiler_options: XLA options of every compiled decoding loop and step timer
   (unsharded runs); None: the backend's defaults (`spec_decode.compile_options`),
-  {}: XLA's own.
+  {}: XLA's own. compact_batch: the baseline and the default decoder shrink their batch
+  as rows finish (`runner.compacting_loop`; unsharded runs, outputs unchanged); named
+  decoders set their own.
   """
   target: ModelSpec
   draft: ModelSpec | None
@@ -88,6 +90,7 @@ class ExperimentConfig:
   gamma_warmup_examples: int = 4
   max_gamma: int = 10
   gamma_rule: str = "cost_model"
+  compact_batch: bool = False
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -129,6 +132,11 @@ class ExperimentConfig:
       if self.mesh:
         raise ValueError("ExperimentConfig.compiler_options apply to unsharded runs (mesh None)")
       object.__setattr__(self, "compiler_options", dict(self.compiler_options))
+    if not isinstance(self.compact_batch, bool):
+      raise ValueError(f"ExperimentConfig.compact_batch must be True or False, got "
+                       f"{self.compact_batch!r}")
+    if self.compact_batch and self.mesh:
+      raise ValueError("ExperimentConfig.compact_batch applies to unsharded runs (mesh None)")
     if self.decoders and self.gamma is None:
       raise ValueError("gamma None (automatic choice) applies only to the default decoder; "
                        "with ExperimentConfig.decoders set, give each Speculative its gamma")
@@ -176,12 +184,14 @@ class ExperimentConfig:
     With gamma None the default decoder's gamma is a placeholder until
     `choose_gamma` replaces the config with the chosen one.
     """
-    out = {BASELINE: decoding.Autoregressive()} if self.run_baseline else {}
+    out = ({BASELINE: decoding.Autoregressive(compact_batch=self.compact_batch)}
+           if self.run_baseline else {})
     if self.decoders:
       out.update(self.decoders)
     else:
       out[DEFAULT_DECODER] = decoding.Speculative(gamma=self.gamma or _PROBE_GAMMA,
-                                                  lenience=float(self.lenience))
+                                                  lenience=float(self.lenience),
+                                                  compact_batch=self.compact_batch)
     return out
 
   @property
@@ -204,6 +214,8 @@ class ExperimentConfig:
       del d["compiler_options"]  # recorded only when set, so older runs' config.json match
     if self.gamma is not None:
       del d["gamma_rule"]  # read only when gamma is chosen automatically
+    if not self.compact_batch:
+      del d["compact_batch"]  # recorded only when set, so older runs' config.json match
     return d
 
   @property

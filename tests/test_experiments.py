@@ -337,6 +337,22 @@ def test_batch_scaling_tiny(out):
   assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
 
 
+def test_batch_scaling_with_chosen_gamma_and_compaction(out):
+  paths = batch_scaling.main([
+      "--scale", "tiny", "--batch_sizes", "2", "--num_examples", "2", "--gamma", "auto",
+      "--compact_batch", "--temperature", "1", "--repeats", "2", "--inner", "1",
+      "--gin_bindings", "ExperimentConfig.max_gamma = 3", "--gin_bindings",
+      "ExperimentConfig.gamma_warmup_examples = 2", "--no_plots",
+      "--results_dir", out["results"], "--runs_dir", out["runs"]])
+  assert paths["md"].endswith("batch_scaling_ende_compact.md")
+  (row,) = _json(paths["json"])["rows"]
+  run_dir = os.path.join(out["runs"], "tiny", "ende_small_t1_gauto_b2_compact")
+  choice = _json(os.path.join(run_dir, "gamma.json"))
+  assert row["gamma"] == choice["gamma"] == choice["cost_model"]["gamma"]
+  assert _json(os.path.join(run_dir, "results.json"))["experiment"]["compact_batch"] is True
+  assert "shrink their batch" in open(paths["md"]).read()
+
+
 def test_trees_tiny(out):
   paths = trees.main(["--scale", "tiny", "--tasks", "ende", "--temperatures", "1",
                       "--budgets", "2,4", "--num_examples", "2", "--max_tokens", "8",

@@ -141,6 +141,75 @@ class LoopContext:
     """[B] per-row keys of loop step `step`."""
     return row_keys(self.rng, self.row_ids, step)
 
+  def take_rows(self, rows: jax.Array) -> "LoopContext":
+    """This context for the batch rows `rows` [B'] only (their inputs, ids and encodings),
+    for loops that shrink their batch as rows finish (`compacting_loop`)."""
+    take = lambda x: None if x is None else take_rows(x, rows)
+    return dataclasses.replace(
+        self, encoder_tokens=take(self.encoder_tokens),
+        draft_encoder_tokens=take(self.draft_encoder_tokens), row_ids=take(self.row_ids),
+        target_encoded=take(self.target_encoded))
+
+
+def take_rows(tree, rows: jax.Array):
+  """Every leaf of `tree` (batch on axis 0) at batch rows `rows`."""
+  return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), tree)
+
+
+def compaction_sizes(batch_size: int) -> tuple[int, ...]:
+  """The batch sizes a compacting loop runs at: B, then halved (rounded up) down to 1."""
+  sizes = [batch_size]
+  while sizes[-1] > 1:
+    sizes.append((sizes[-1] + 1) // 2)
+  return tuple(sizes)
+
+
+def compacting_loop(ctx: LoopContext, state, *, rows_of, with_rows, result_of, done_of,
+                    make_body, cond=None, compact: bool):
+  """`lax.while_loop` until every row is done, on a batch that shrinks as rows finish.
+
+  Rows finish at different iterations (EOS, acceptance), and a batched loop runs until its
+  slowest row is done, computing every finished row on each iteration. With `compact`,
+  the loop runs at batch B until at most ceil(B / 2) rows are active, then gathers those
+  rows (their state, inputs, ids and encodings: `LoopContext.take_rows`) into a batch of
+  ceil(B / 2), and so on down to 1: the iterations after most rows finished cost what a
+  smaller batch costs (a verify call's tokens times the batch is compute bound on CPUs).
+  Each row keeps its own keys (row ids) and the loop's step count, so every row's output
+  is what the uncompacted loop gives it.
+
+  state: the loop state at batch B. rows_of(state) -> its per-row part (every leaf batch
+  first), with_rows(state, part) -> state with that part replaced, result_of(state) -> the
+  per-row results to return (batch first); done_of(state) -> [B'] bool; make_body(ctx) ->
+  the loop body for a context (the batch of its rows); cond(state) -> bool, an extra
+  condition (e.g. a step limit) and-ed with "some row is active". Returns result_of at
+  batch B, in the original row order.
+  """
+  extra = cond or (lambda s: True)
+  if not compact or ctx.batch_size == 1:
+    loop_cond = lambda s: extra(s) & ~jnp.all(done_of(s))
+    return result_of(jax.lax.while_loop(loop_cond, make_body(ctx), state))
+  if ctx.mesh is not None:
+    raise ValueError("batch compaction applies to unsharded runs only (mesh=None)")
+  B = ctx.batch_size
+  for path, leaf in jax.tree_util.tree_leaves_with_path(rows_of(state)):
+    if leaf.ndim < 1 or leaf.shape[0] != B:
+      raise ValueError(f"batch compaction needs every per-row loop state leaf batch first; "
+                       f"{jax.tree_util.keystr(path)} has shape {leaf.shape} at batch {B}")
+  sizes = compaction_sizes(B)
+  final = result_of(state)
+  rows = jnp.arange(B)
+  for k, size in enumerate(sizes):
+    stop_at = sizes[k + 1] if k + 1 < len(sizes) else 0  # active rows the next stage holds
+    state = jax.lax.while_loop(
+        lambda s, n=stop_at: extra(s) & (jnp.sum(~done_of(s)) > n), make_body(ctx), state)
+    # Every row's results at batch B: finished rows' are final, the others get overwritten.
+    final = jax.tree.map(lambda f, v: f.at[rows].set(v), final, result_of(state))
+    if k + 1 < len(sizes):
+      keep = jnp.argsort(done_of(state), stable=True)[:sizes[k + 1]]  # active rows first
+      state = with_rows(state, take_rows(rows_of(state), keep))
+      ctx, rows = ctx.take_rows(keep), rows[keep]
+  return final
+
 
 @functools.lru_cache(maxsize=1)
 def _greedy_key() -> jax.Array:
@@ -309,6 +378,9 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   check_streamed_params("draft", draft, draft_params)
   if compiler_options is not None and mesh is not None:
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
+  if mesh is not None and getattr(algorithm, "compact_batch", False):
+    raise ValueError(f"{type(algorithm).__name__}(compact_batch=True) runs unsharded only "
+                     "(mesh=None)")
   if mesh is not None:  # the sharded path lays out device arrays (or global ones) as given
     encoder_tokens, draft_encoder_tokens = (
         None if t is None else jnp.asarray(t, jnp.int32)

@@ -32,13 +32,39 @@ class _State:
 @registry.algorithm("autoregressive")
 @dataclasses.dataclass(frozen=True)
 class Autoregressive(runner.Algorithm):
-  """One target call per token: the baseline every speedup is measured against."""
+  """One target call per token: the baseline every speedup is measured against.
+
+  compact_batch: shrink the batch as rows finish (`runner.compacting_loop`), as
+  `Speculative(compact_batch=True)` does; outputs unchanged.
+  """
+  compact_batch: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.compact_batch, bool):
+      raise ValueError(f"compact_batch must be True or False, got {self.compact_batch!r}")
 
   def init_stats(self, batch_size: int) -> DecodeStats:
     return DecodeStats.zeros(batch_size, target_calls=((), jnp.int32))
 
   def decode(self, ctx: runner.LoopContext) -> DecodeResult:
     B, L = ctx.batch_size, ctx.max_decode_len
+    init = _State(step=jnp.int32(0), last=jnp.full((B,), BOS_ID, jnp.int32),
+                  tokens=jnp.zeros((B, L), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
+                  done=jnp.zeros((B,), bool), cache=ctx.start_cache("target", L),
+                  stats=self.init_stats(B))
+    init = init.replace(**ctx.constrain_batch(
+        dict(last=init.last, tokens=init.tokens, lengths=init.lengths, done=init.done,
+             stats=init.stats)))
+    tokens, lengths, stats = runner.compacting_loop(
+        ctx, init, rows_of=lambda s: s.replace(step=None),
+        with_rows=lambda s, part: part.replace(step=s.step),
+        result_of=lambda s: (s.tokens, s.lengths, s.stats), done_of=lambda s: s.done,
+        make_body=self._body, cond=lambda s: s.step < L, compact=self.compact_batch)
+    return DecodeResult(tokens=tokens, lengths=lengths, stats=stats)
+
+  def _body(self, ctx: runner.LoopContext):
+    """The loop body for the rows of `ctx` (all of them, or those a compacting loop kept)."""
+    L = ctx.max_decode_len
     model, params, sampling = ctx.target, ctx.target_params, ctx.sampling
 
     def body(s: _State) -> _State:
@@ -52,15 +78,7 @@ class Autoregressive(runner.Algorithm):
                     lengths=lengths, done=s.done | (tok == EOS_ID) | (lengths >= L),
                     cache=cache, stats=s.stats.add(target_calls=active))
 
-    init = _State(step=jnp.int32(0), last=jnp.full((B,), BOS_ID, jnp.int32),
-                  tokens=jnp.zeros((B, L), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
-                  done=jnp.zeros((B,), bool), cache=ctx.start_cache("target", L),
-                  stats=self.init_stats(B))
-    init = init.replace(**ctx.constrain_batch(
-        dict(last=init.last, tokens=init.tokens, lengths=init.lengths, done=init.done,
-             stats=init.stats)))
-    s = jax.lax.while_loop(lambda s: (s.step < L) & ~jnp.all(s.done), body, init)
-    return DecodeResult(tokens=s.tokens, lengths=s.lengths, stats=s.stats)
+    return body
 
 
 def autoregressive(model, params, encoder_tokens, *, max_decode_len: int,

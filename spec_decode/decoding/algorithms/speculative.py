@@ -64,11 +64,15 @@ class Speculative(runner.Algorithm):
 
   drafter: what proposes (default: the draft model, one token per call);
   verifier: what accepts (default: token-level rejection sampling).
+  compact_batch: shrink the batch as rows finish (`runner.compacting_loop`: halved
+  whenever at most half the rows are active; unsharded runs); every row's output is
+  unchanged, the iterations after most rows finished cost a smaller batch.
   """
   gamma: int = 4
   lenience: float = 1.0
   drafter: Drafter = ModelDrafter()
   verifier: Verifier = ChainVerifier()
+  compact_batch: bool = False
 
   needs_draft = True
 
@@ -91,6 +95,8 @@ class Speculative(runner.Algorithm):
                        f"{type(self.verifier).__name__} verifies chains only; use a tree "
                        f"verifier, e.g. TreeVerifier()")
     self.verifier.check_drafter(self.drafter)
+    if not isinstance(self.compact_batch, bool):
+      raise ValueError(f"compact_batch must be True or False, got {self.compact_batch!r}")
 
   @property
   def max_proposal(self) -> int:
@@ -119,10 +125,27 @@ class Speculative(runner.Algorithm):
             "expected_tokens": tokens}
 
   def decode(self, ctx: runner.LoopContext) -> DecodeResult:
-    B, L, g = ctx.batch_size, ctx.max_decode_len, self.gamma
-    K = self.max_proposal
+    B, L = ctx.batch_size, ctx.max_decode_len
     ctx = ctx.with_target_encoded()  # the target cache and the drafter share one encoding
     room = self.cache_room(L)
+    init = _State(it=jnp.int32(0), out=jnp.zeros((B, room), jnp.int32),
+                  length=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+                  target_cache=ctx.start_cache("target", room),
+                  draft=self.drafter.init(ctx, room), stats=self.init_stats(B))
+    init = init.replace(**ctx.constrain_batch(
+        dict(out=init.out, length=init.length, done=init.done, stats=init.stats)))
+    out, length, stats = runner.compacting_loop(
+        ctx, init, rows_of=lambda s: s.replace(it=None),
+        with_rows=lambda s, part: part.replace(it=s.it),
+        result_of=lambda s: (s.out, s.length, s.stats), done_of=lambda s: s.done,
+        make_body=self._body, compact=self.compact_batch)
+    tokens = jnp.where(jnp.arange(L)[None, :] < length[:, None], out[:, :L], 0)
+    return DecodeResult(tokens=tokens, lengths=length, stats=stats)
+
+  def _body(self, ctx: runner.LoopContext):
+    """The loop body for the rows of `ctx` (all of them, or those a compacting loop kept)."""
+    B, L, g = ctx.batch_size, ctx.max_decode_len, self.gamma
+    K = self.max_proposal
     target, params, sampling = ctx.target, ctx.target_params, ctx.sampling
 
     def body(s: _State) -> _State:
@@ -190,15 +213,7 @@ class Speculative(runner.Algorithm):
       return _State(it=s.it + 1, out=out_tokens, length=new_length, done=done,
                     target_cache=target_cache, draft=draft_state, stats=stats)
 
-    init = _State(it=jnp.int32(0), out=jnp.zeros((B, room), jnp.int32),
-                  length=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
-                  target_cache=ctx.start_cache("target", room),
-                  draft=self.drafter.init(ctx, room), stats=self.init_stats(B))
-    init = init.replace(**ctx.constrain_batch(
-        dict(out=init.out, length=init.length, done=init.done, stats=init.stats)))
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, init)
-    tokens = jnp.where(jnp.arange(L)[None, :] < s.length[:, None], s.out[:, :L], 0)
-    return DecodeResult(tokens=tokens, lengths=s.length, stats=s.stats)
+    return body
 
 
 def speculative(target, target_params, draft, draft_params, encoder_tokens, *, gamma: int,
