@@ -108,9 +108,9 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
   ids = [jnp.arange(i * B, (i + 1) * B, dtype=jnp.int32) for i in range(len(batches))]
   encs = [jnp.asarray(b) for b in batches]
   from spec_decode.decoding import runner
-  warm = {}  # compile: one call per input length the runs trim to (`runner.input_length`)
+  warm = {}  # compile: one call per input shape the runs trim and pack to
   for enc, i in zip(encs, ids):
-    warm.setdefault(runner.input_length(enc) if mesh is None else None, (enc, i))
+    warm.setdefault(runner.compiled_shape(target, enc) if mesh is None else None, (enc, i))
   for enc, i in warm.values():
     for f in fns.values():
       jax.block_until_ready(f(enc, i))

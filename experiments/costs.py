@@ -130,16 +130,19 @@ def setup_seconds(model, params, encoder_tokens, *, cache_length: int, repeats: 
                   compiler_options=None) -> dict[str, float]:
   """Seconds of a decode call's set-up for `model` alone: encoding `encoder_tokens` and
   filling the cross-attention cache, one jitted call on the inputs and parameter layout
-  `decoding.run` uses (trimmed padding, `decoding_params`); `spread` of `repeats` calls."""
+  `decoding.run` uses (trimmed padding, packed rows, `decoding_params`); `spread` of
+  `repeats` calls."""
   from spec_decode import compile_options
   from spec_decode.decoding import runner
   from spec_decode.models import base
   tokens = runner.trim_padding(np.asarray(encoder_tokens))
+  index = runner.pack_index(model, tokens)
   params = base.decoding_params(model, params)
   options = dict(compile_options.resolve(compiler_options))
-  fn = jax.jit(lambda p, e: model.init_cache(p, model.encode(p, e), cache_length),
+  encode = lambda p, e, i: model.encode(p, e) if i is None else model.encode(p, e, packed_index=i)
+  fn = jax.jit(lambda p, e, i: model.init_cache(p, encode(p, e, i), cache_length),
                compiler_options=options or None)
-  t = timing.timed(lambda: fn(params, tokens), repeats=repeats, warmup=2)
+  t = timing.timed(lambda: fn(params, tokens, index), repeats=repeats, warmup=2)
   return spread(t.seconds)
 
 

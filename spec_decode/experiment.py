@@ -424,12 +424,13 @@ def _decode_remaining(s: _Setup, todo: Sequence[data.Example], output_dir: str, 
 
 
 def _compile_input_lengths(s: _Setup, fns, batches) -> None:
-  """One untimed call of every decoder on the first batch of each input length after the
-  first batch's, so that no timed batch includes a compile."""
-  seen = {runner.input_length(_inputs(s, batches[0])[0])}
+  """One untimed call of every decoder on the first batch of each input shape (trimmed and
+  packed length, `runner.compiled_shape`) after the first batch's, so that no timed batch
+  includes a compile."""
+  seen = {runner.compiled_shape(s.target, _inputs(s, batches[0])[0])}
   for batch in batches[1:]:
     enc, ids = _inputs(s, batch)
-    n = runner.input_length(enc)
+    n = runner.compiled_shape(s.target, enc)
     if n not in seen:
       seen.add(n)
       for f in fns.values():

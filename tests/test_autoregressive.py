@@ -167,3 +167,52 @@ class TestTrimmedInputs:
       b = decoding.run(algo, model, params, enc, trim_inputs=False, **extra, **kw)
       np.testing.assert_array_equal(a.tokens, b.tokens)
       np.testing.assert_array_equal(a.lengths, b.lengths)
+
+
+class TestPackedInputs:
+  """Rows of different lengths are encoded packed (`pack_inputs`, `t5.packing_index`)."""
+
+  def test_packing_index(self):
+    tokens = np.zeros((3, 8), np.int32)
+    tokens[0, :2], tokens[1, :8], tokens[2, [0, 3]] = 5, 6, 7  # a PAD inside row 2
+    idx = t5.packing_index(tokens)
+    real = [0, 1, 8, 9, 10, 11, 12, 13, 14, 15, 16, 19]
+    np.testing.assert_array_equal(idx, real + [24] * 4)  # 12 real -> P = 16, pad = B * S
+    assert t5.packing_index(np.full((2, 8), 5, np.int32)) is None  # nothing to save
+    assert t5.packing_index(tokens[:1, :2]) is None  # one trimmed row
+
+  def test_packed_encoder_equals_padded(self, tiny):
+    model, params = tiny
+    enc = _enc(model.config.vocab_size, 6, seed=4, src=16)
+    enc[np.argmax((enc > 0).sum(1)), 1] = 0  # a PAD inside the longest row
+    idx = t5.packing_index(enc)
+    assert idx is not None and idx.size < enc.size
+    padded, packed = model.encode(params, enc), model.encode(params, enc, packed_index=idx)
+    mask = np.asarray(padded.mask)
+    np.testing.assert_allclose(np.asarray(packed.hidden)[mask], np.asarray(padded.hidden)[mask],
+                               atol=1e-6)
+    assert not np.asarray(packed.hidden)[~mask].any()  # PAD positions: zeros
+    dec = np.random.RandomState(2).randint(2, model.config.vocab_size, (6, 4))
+    logits = [model.decode(params, model.init_cache(params, e, 6), dec).logits
+              for e in (padded, packed)]
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
+    with pytest.raises(ValueError, match="packed_index must be a 1-D integer array"):
+      model.encode(params, enc, packed_index=np.zeros((2, 2), np.int32))
+
+  @pytest.mark.parametrize("temperature", [0.0, 1.0])
+  def test_same_outputs_as_unpacked(self, tiny, temperature):
+    model, params = tiny
+    draft = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+    dparams = draft.init(jax.random.PRNGKey(3))
+    enc = _enc(model.config.vocab_size, 6, seed=4, src=16)
+    assert runner.pack_index(model, runner.trim_padding(enc)) is not None  # packing runs
+    kw = dict(max_decode_len=8, sampling=Sampling(temperature=temperature),
+              rng=jax.random.PRNGKey(5))
+    for algo, extra in ((decoding.Autoregressive(), {}),
+                        (decoding.Speculative(gamma=3), dict(draft=draft, draft_params=dparams)),
+                        (decoding.Speculative(gamma=3, compact_batch=True),
+                         dict(draft=draft, draft_params=dparams))):
+      a = decoding.run(algo, model, params, enc, **extra, **kw)
+      b = decoding.run(algo, model, params, enc, pack_inputs=False, **extra, **kw)
+      np.testing.assert_array_equal(a.tokens, b.tokens)
+      np.testing.assert_array_equal(a.lengths, b.lengths)

@@ -144,9 +144,14 @@ class EncoderOutput:
 
   hidden: [B, S, D] final encoder states (after encoder_norm), config dtype.
   mask:   [B, S] bool, True at real (non-PAD) input positions.
+  packed_index: [P] int32 or None: the flat positions b * S + s of the real tokens (B * S
+          for padding) when the encoder ran packed (`T5.encode(packed_index=)`); the
+          decoder's cross-attention K/V are then projected from those positions only.
+          Not batch-first: drop it (None) before gathering batch rows.
   """
   hidden: jax.Array
   mask: jax.Array
+  packed_index: Any = None
 
   def logical_axes(self) -> "EncoderOutput":
     return self.replace(hidden=("batch", "length", "embed"), mask=("batch", "length"))
@@ -235,6 +240,33 @@ def _attend(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   return jnp.swapaxes(jnp.einsum("BNTL,BNLH->BNTH", weights, v_BNLH), 1, 2)
 
 
+def packing_index(tokens) -> np.ndarray | None:
+  """The flat positions b * S + s of the non-PAD tokens of concrete tokens [B, S], padded
+  with B * S to a power of two P >= 8 (one compile per P), for `T5.encode(packed_index=)`;
+  None when P would not be smaller than B * S (nothing to save: one row trimmed of its
+  padding, or rows of equal length)."""
+  tokens = np.asarray(tokens)
+  B, S = tokens.shape
+  flat = np.flatnonzero(tokens.reshape(-1) != PAD_ID)
+  P = max(8, 1 << max(flat.size - 1, 0).bit_length())
+  if P >= B * S:
+    return None
+  return np.concatenate([flat, np.full(P - flat.size, B * S)]).astype(np.int32)
+
+
+def _pack_rows(x_BS_, index_P):
+  """x [B, S, ...] at the flat positions index [P] -> [P, ...] (index B * S: zeros)."""
+  B, S = x_BS_.shape[:2]
+  flat = x_BS_.reshape((B * S,) + x_BS_.shape[2:])
+  return jnp.take(jnp.concatenate([flat, jnp.zeros_like(flat[:1])]), index_P, axis=0)
+
+
+def _unpack_rows(x_P_, index_P, B: int, S: int):
+  """The inverse of `_pack_rows`: [P, ...] -> [B, S, ...], zeros where no index points."""
+  out = jnp.zeros((B * S + 1,) + x_P_.shape[1:], x_P_.dtype).at[index_P].set(x_P_)
+  return out[:B * S].reshape((B, S) + x_P_.shape[1:])
+
+
 def _kv_layout(k_BLNH, v_BLNH):
   """Projected K and V [B, L, N, H] in the cache's layouts: K [B, N, H, L], V [B, N, L, H]."""
   return jnp.transpose(k_BLNH, (0, 2, 3, 1)), jnp.swapaxes(v_BLNH, 1, 2)
@@ -265,6 +297,7 @@ class T5(base.ParamSpecs):
   """
   config: T5Config
   stream_params: bool = False
+  supports_packed_encoding = True  # encode(packed_index=): see `packing_index`
 
   def __post_init__(self):
     if not isinstance(self.stream_params, bool):
@@ -372,35 +405,55 @@ class T5(base.ParamSpecs):
     return jnp.moveaxis(bias, 0, -3)
 
   # ---------------------------------------------------------------- encoder
-  def encode(self, params: Params, encoder_tokens) -> EncoderOutput:
-    """Runs the encoder once. encoder_tokens [B, S] int, 0 = padding."""
+  def encode(self, params: Params, encoder_tokens, packed_index=None) -> EncoderOutput:
+    """Runs the encoder once. encoder_tokens [B, S] int, 0 = padding.
+
+    packed_index [P] int32 (`packing_index(encoder_tokens)`): run the encoder's
+    projections and MLPs on the P positions it names only (the real tokens of every row,
+    packed; attention still runs per row), instead of on all B * S positions. A batch of
+    rows of different lengths padded to the longest then costs what its real tokens
+    cost. The states of real tokens are the same (PAD positions are masked everywhere
+    and come back as zeros).
+    """
     encoder_tokens = _check_tokens(encoder_tokens, "encoder_tokens", self.config.vocab_size)
-    return self._encode(params, encoder_tokens)
+    if packed_index is not None:
+      packed_index = jnp.asarray(packed_index)
+      if packed_index.ndim != 1 or not jnp.issubdtype(packed_index.dtype, jnp.integer):
+        raise ValueError(f"packed_index must be a 1-D integer array, got "
+                         f"{packed_index.dtype} {packed_index.shape}")
+      packed_index = packed_index.astype(jnp.int32)
+    return self._encode(params, encoder_tokens, packed_index)
 
   @functools.partial(jax.jit, static_argnums=0)
-  def _encode(self, params, encoder_tokens):
+  def _encode(self, params, encoder_tokens, packed_index=None):
     c = self.config
     enc = params["encoder"]
     mask_BS = encoder_tokens > 0
     x = self._embed(params, encoder_tokens)
-    S = encoder_tokens.shape[1]
+    B, S = encoder_tokens.shape
+    packed = packed_index is not None
+    # Packed: x holds the P named positions as one row [1, P, D]; attention unpacks them.
+    pack = (lambda y: _pack_rows(y, packed_index)[None]) if packed else (lambda y: y)
+    unpack = (lambda y: _unpack_rows(y[0], packed_index, B, S)) if packed else (lambda y: y)
+    x = pack(x)
     pos = jnp.arange(S)
     bias = self._relpos_bias(self._get(enc["relpos_bias"]["rel_embedding"], encoder_tokens),
                              pos[None, :] - pos[:, None], bidirectional=True)[None]  # [1,N,S,S]
-    attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (x.shape[0], S, S))
+    attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (B, S, S))
     x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_encoder_layers):
       p = self._get(enc[f"layers_{i}"], x_prev)
       x_prev = x
       h = _rms_norm(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
-      q, k, v = (self._project_heads(h, a[n]["kernel"]) for n in ("query", "key", "value"))
-      x = x + self._merge_heads(_attend(q, *_kv_layout(k, v), bias, attn_mask),
+      q, k, v = (unpack(self._project_heads(h, a[n]["kernel"]))
+                 for n in ("query", "key", "value"))
+      x = x + self._merge_heads(pack(_attend(q, *_kv_layout(k, v), bias, attn_mask)),
                                 a["out"]["kernel"])
       h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h)
     x = _rms_norm(x, self._get(enc["encoder_norm"]["scale"], x_prev), c.layer_norm_epsilon)
-    return EncoderOutput(hidden=x, mask=mask_BS)
+    return EncoderOutput(hidden=unpack(x), mask=mask_BS, packed_index=packed_index)
 
   # ---------------------------------------------------------------- decoder
   def init_cache(self, params: Params, encoded: EncoderOutput, max_decode_len: int) -> DecodeCache:
@@ -419,7 +472,7 @@ class T5(base.ParamSpecs):
       kernels = {"encoder_decoder_attention": {n: a[n] for n in ("key", "value")}}
       # Streamed, layer i's kernels wait for layer i - 2's K: one layer of prefetch.
       k, v = self.cross_kv(self._get(kernels, encoded.hidden if i < 2 else cross_k[i - 2]),
-                           encoded.hidden)
+                           encoded.hidden, packed_index=encoded.packed_index)
       cross_k.append(k)
       cross_v.append(v)
     empty_k, empty_v = empty_self_kv(c, B, max_decode_len)
@@ -470,12 +523,19 @@ class T5(base.ParamSpecs):
     bias = self._relpos_bias(rel_embedding_NR, rel_BTL, bidirectional=False)
     return bias, self_mask
 
-  def cross_kv(self, layer_params, encoder_hidden_BSD):
+  def cross_kv(self, layer_params, encoder_hidden_BSD, packed_index=None):
     """One decoder layer's cross-attention K [B, N, H, S] and V [B, N, S, H] of encoder
-    states (the cache's layouts, `DecodeCache`)."""
+    states (the cache's layouts, `DecodeCache`); with packed_index (`EncoderOutput`)
+    projected from the real tokens' positions only (zeros at PAD positions, which
+    cross-attention masks)."""
     a = layer_params["encoder_decoder_attention"]
-    return _kv_layout(*(self._project_heads(encoder_hidden_BSD, a[n]["kernel"])
-                        for n in ("key", "value")))
+    if packed_index is None:
+      return _kv_layout(*(self._project_heads(encoder_hidden_BSD, a[n]["kernel"])
+                          for n in ("key", "value")))
+    B, S = encoder_hidden_BSD.shape[:2]
+    h = _pack_rows(encoder_hidden_BSD, packed_index)[None]
+    return _kv_layout(*(_unpack_rows(self._project_heads(h, a[n]["kernel"])[0], packed_index,
+                                     B, S) for n in ("key", "value")))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
                     cross_k_BNHS, cross_v_BNSH, cross_mask_BTS):
