@@ -172,7 +172,8 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
     model; efficiency: the measured end-to-end speedup over the cost model.
   """
   ar_fit, sp_fit = e2e["autoregressive"]["call_fit"], e2e["speculative"]["call_fit"]
-  if ar_fit is None or sp_fit is None or verify is None or model_row is None:
+  if ar_fit is None or sp_fit is None or verify is None or model_row is None \
+      or args.compact_batch:  # a compacting loop's iterations cost less as its batch shrinks
     return None
   room = args.decode_len + max(args.gammas) + 1
   setup = {role: costs.setup_seconds(m, p, enc, cache_length=room, repeats=args.repeats,
@@ -320,8 +321,9 @@ def _summary_md(args, res: dict[str, Any]) -> str:
 def _engine_md(e) -> list[str]:
   g = e.get("engine")
   if g is None:
-    return ["- engine split (fixed cost per call, cost per iteration): n/a (the calls ran "
-            "too few distinct iteration counts to separate them)"]
+    return ["- engine split (fixed cost per call, cost per iteration): n/a (a compacting "
+            "loop's iterations do not cost alike, or the calls ran too few distinct iteration "
+            "counts to separate them)"]
   fit = lambda name: e[name]["call_fit"]
   return [
       "- engine split (least squares over the timed calls: seconds = fixed + per iteration x "
