@@ -70,6 +70,30 @@ def test_rows_do_not_depend_on_their_neighbours(monkeypatch):
 
 
 @needs_kernel
+def test_joined_kernels_give_the_separate_products_bit_for_bit():
+  rs = np.random.RandomState(5)
+  w = [rs.normal(size=(40, n)).astype(np.float32) for n in (24, 40, 7)]
+  x = jnp.asarray(rs.normal(size=(6, 40)).astype(np.float32))
+  joined = np.asarray(cpu_matmul.matmul(x, cpu_matmul.pack(np.concatenate(w, axis=1))))
+  separate = np.concatenate([np.asarray(cpu_matmul.matmul(x, cpu_matmul.pack(k))) for k in w],
+                            axis=1)
+  np.testing.assert_array_equal(joined, separate)
+
+
+@needs_kernel
+def test_t5_joins_projections_of_one_input(pack_small):
+  model, params = _mini()
+  packed = model.decode_params(params)
+  for block in (packed["encoder"]["layers_0"]["attention"],
+                packed["decoder"]["layers_1"]["self_attention"]):
+    assert sorted(block) == ["out", t5.JOINED[("query", "key", "value")]]
+    assert block["qkv_joined"]["kernel"].shape == (96, 3 * 64)
+  cross = packed["decoder"]["layers_1"]["encoder_decoder_attention"]
+  assert sorted(cross) == [t5.JOINED[("key", "value")], "out", "query"]
+  assert model.decode_params(packed) is packed
+
+
+@needs_kernel
 def test_matmul_refuses_a_feature_mismatch():
   w = cpu_matmul.pack(np.ones((8, 16), np.float32))
   with pytest.raises(ValueError, match="7 features, the kernel wants 8"):
@@ -100,8 +124,11 @@ def test_only_large_kernels_are_packed(monkeypatch):
   monkeypatch.setattr(cpu_matmul, "MIN_PACKED_ELEMENTS", 96 * 200)  # the MLP's, not attention's
   packed = model.decode_params(params)
   layer = packed["decoder"]["layers_0"]
-  assert all(isinstance(layer["mlp"][n]["kernel"], cpu_matmul.PackedKernel)
-             for n in ("wi_0", "wi_1", "wo"))
+  # The gated MLP's two input kernels are joined into one packed kernel [96, 400].
+  assert sorted(layer["mlp"]) == [t5.JOINED_MLP, "wo"]
+  assert layer["mlp"][t5.JOINED_MLP]["kernel"].shape == (96, 400)
+  assert isinstance(layer["mlp"]["wo"]["kernel"], cpu_matmul.PackedKernel)
+  # Attention's q/k/v (3 x 96 x 64 = 18432 elements joined) stay separate XLA dots.
   assert not isinstance(layer["self_attention"]["query"]["kernel"], cpu_matmul.PackedKernel)
   assert model.decode_params(packed) is packed  # a packed tree is not packed again
   enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
