@@ -10,7 +10,8 @@ Draft variants: the drafts of --drafts as they are (their natural c), and the
 x * T_p more (c ~ c0 + x); alpha stays that of the undelayed draft. For each
 variant and each gamma in --gammas, speculative decoding of the same
 --num_examples examples is timed against the autoregressive baseline (all
-after compilation, --repeats rounds, the median kept), next to
+after compilation, --repeats rounds, each speculative pass paired with a baseline pass
+just before it, the median ratio kept), next to
   Thm 3.8:    (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), at the
               variant's measured alpha and c; and
   cost model: E[tokens] / (gamma c + T_verify(gamma+1) / T_p), which charges
@@ -157,17 +158,19 @@ def run(args) -> dict[str, Any]:
   jax.block_until_ready(ar(*batches[0]))
   for f in spec.values():
     jax.block_until_ready(f(*batches[0]))
-  ar_s, spec_s, outs = [], {k: [] for k in spec}, {}
+  # Each speculative pass is paired with an autoregressive pass just before it: this
+  # machine's speed drifts by tens of percent over the minutes a round of every variant
+  # takes, so one baseline pass per round would bias the later variants' ratios.
+  ar_s, spec_s, outs = {k: [] for k in spec}, {k: [] for k in spec}, {}
   for _ in range(args.repeats):
-    seconds, _ = _decode_all(ar, batches)
-    ar_s.append(seconds)
     for k, f in spec.items():
+      ar_s[k].append(_decode_all(ar, batches)[0])
       seconds, outs[k] = _decode_all(f, batches)
       spec_s[k].append(seconds)
   rows = []
   for (i, g), secs in spec_s.items():
     st = _stats(outs[(i, g)], len(examples))
-    speedups = costs.ratios(ar_s, secs)
+    speedups = costs.ratios(ar_s[(i, g)], secs)
     a, cm = st["alpha"], c[i]["median"]
     ok = not math.isnan(a)
     rows.append({
@@ -175,7 +178,7 @@ def run(args) -> dict[str, Any]:
         "delay": variants[i].delay,
         "c": cm, "c_spread": c[i], "gamma": g, "alpha": a, "alpha_observed": st["alpha_observed"],
         "tokens_per_call": st["tokens_per_call"], "verify_ratio": verify[g]["median"],
-        "autoregressive_seconds": float(np.median(ar_s)), "speculative_seconds": float(
+        "autoregressive_seconds": float(np.median(ar_s[(i, g)])), "speculative_seconds": float(
             np.median(secs)), "speedup": float(np.median(speedups)),
         "speedup_spread": _common.spread(speedups),
         "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
@@ -365,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
                if args.delay_mode == "compute" else "a host-callback sleep per draft call")
            + " (spec_decode/models/delayed.py); the delay is calibrated to add about x * T_p per call.",
            f"Speedups: median over {args.repeats} rounds of autoregressive / speculative seconds "
-           "on the same examples; c and T_verify/T_p are medians of per-round ratios of step "
+           "on the same examples, each speculative pass timed right after its own baseline pass "
+           "(the machine's speed drifts); c and T_verify/T_p are medians of per-round ratios of step "
            f"times measured {args.loop_steps} steps per jitted loop (no per-step dispatch)."] + \
       res["notes"]
   stem = os.path.join(args.results_dir, f"ablate_{args.task}")

@@ -20,12 +20,13 @@ Reports, for the given mesh and batch size (timings after compilation,
     cost model that charges the measured verify ratio instead of Thm 3.8's
     assumption that verifying gamma + 1 tokens costs one step:
       E[tokens](alpha, gamma) / (gamma c + T_verify(gamma + 1) / T_p);
-  * the engine split: every timed end-to-end call's seconds fitted as a fixed cost plus
-    a cost per loop iteration (least squares over the calls, which ran different numbers
-    of iterations), for both decoders; the speculative iteration's loop work beyond its
-    model calls (gamma T_q + T_verify) as a fraction of one verify call, each call's
-    fixed cost against the models' set-up alone (encoder + cross-attention cache), the
-    loops' own speedup and the measured speedup as fractions of the cost model;
+  * the engine split: every timed end-to-end call's seconds, minus the models' set-up
+    (encoder + cross-attention cache, timed alone per input shape), fitted as a fixed cost
+    plus a cost per loop iteration (least squares over the calls, which ran different
+    numbers of iterations), for both decoders; the speculative iteration's loop work
+    beyond its model calls (gamma T_q + T_verify) as a fraction of one verify call, the
+    speculative call's fixed cost beyond the autoregressive one's, the loops' own speedup
+    and the measured speedup as fractions of the cost model;
   * on GPU/TPU (or with --roofline on): bytes one target step reads / measured
     device copy bandwidth, the step's memory-roofline time, and its ratio to T_p.
 Random weights are fine for step costs; alpha and the speedup only mean
@@ -144,8 +145,7 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
     out[name] = {"seconds": med, "tokens": toks, "iterations": steps,
                  "seconds_per_iteration": med["median"] / steps if steps else None,
                  "tokens_per_second": toks / med["median"] if med["median"] > 0 else None,
-                 # seconds of a call = fixed + per_iteration * its loop iterations
-                 "call_fit": costs.fixed_and_per_iteration(per_call[name], per_batch)}
+                 "call_seconds": per_call[name], "call_iterations": per_batch}
   spec = last["speculative"]
   decisions = real(spec, "decisions")
   out["alpha"] = metrics.alpha_estimate(min_pq_sum=real(spec, "min_pq_sum"), decisions=decisions)
@@ -158,39 +158,63 @@ def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dic
 
 
 def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
-            enc) -> dict[str, Any] | None:
-  """The decoders' costs split into a fixed cost per call and a cost per loop iteration
-  (`costs.fixed_and_per_iteration` over the end-to-end calls), against the model calls
-  an iteration makes: what the engine spends beyond the models.
+            inputs) -> dict[str, Any] | None:
+  """The decoders' costs split into set-up, a fixed cost per call beyond it and a cost per
+  loop iteration, against the model calls an iteration makes: what the engine spends
+  beyond the models.
 
+  set-up: each model's encoding and cross-attention cache alone, timed for every input
+  shape the calls ran at (`runner.compiled_shape`: inputs of different lengths encode at
+  different costs, and longer inputs have longer outputs, so a plain fit over iterations
+  would charge the encoders to the loop). Each call's seconds minus its set-up (the
+  target's; for the speculative call also the draft's) are then fitted as fixed +
+  per_iteration x iterations (`costs.fixed_and_per_iteration`).
   loop_work: per speculative iteration, beyond gamma T_q + T_verify(gamma + 1) (the
     issue's goal: <= 25% of one verify call); ar_loop_work: per autoregressive step,
-    beyond T_p. setup: each model's encoding and cross-attention cache alone (a fixed
-    cost), so that the speculative call's fixed cost can be compared with the
-    autoregressive call's plus the draft's set-up. loop_speedup: the two loops alone
-    (per-iteration costs times iterations, no fixed costs) and its ratio to the cost
-    model; efficiency: the measured end-to-end speedup over the cost model.
+    beyond T_p. fixed_excess: the speculative call's fixed cost beyond the autoregressive
+    call's (both net of set-up: the goal is that speculation adds no fixed cost but the
+    draft's set-up). loop_speedup: the two loops alone (per-iteration costs x iterations)
+    and its ratio to the cost model; efficiency: the measured end-to-end speedup over the
+    cost model.
   """
-  ar_fit, sp_fit = e2e["autoregressive"]["call_fit"], e2e["speculative"]["call_fit"]
-  if ar_fit is None or sp_fit is None or verify is None or model_row is None \
-      or args.compact_batch:  # a compacting loop's iterations cost less as its batch shrinks
-    return None
+  from spec_decode.decoding import runner
+  if verify is None or model_row is None or args.compact_batch:
+    return None  # (a compacting loop's iterations cost less as its batch shrinks)
+  B = args.batch_size
+  batches = [b for b, _ in batching.batches(inputs, B)]
+  shapes = [runner.compiled_shape(target, b) for b in batches]
   room = args.decode_len + max(args.gammas) + 1
-  setup = {role: costs.setup_seconds(m, p, enc, cache_length=room, repeats=args.repeats,
-                                     compiler_options=args.compiler_options)["median"]
-           for role, m, p in (("target", target, tparams), ("draft", draft, dparams))}
+  setup = {role: {} for role in ("target", "draft")}
+  for shape, b in zip(shapes, batches):
+    for role, m, p in (("target", target, tparams), ("draft", draft, dparams)):
+      if shape not in setup[role]:
+        setup[role][shape] = costs.setup_seconds(
+            m, p, b, cache_length=room, repeats=args.repeats,
+            compiler_options=args.compiler_options)["median"]
+  net = lambda name, roles: [t - sum(setup[r][sh] for r in roles) for t, sh in zip(
+      e2e[name]["call_seconds"], shapes)]
+  ar_fit = costs.fixed_and_per_iteration(net("autoregressive", ("target",)),
+                                         e2e["autoregressive"]["call_iterations"])
+  sp_fit = costs.fixed_and_per_iteration(net("speculative", ("target", "draft")),
+                                         e2e["speculative"]["call_iterations"])
+  if ar_fit is None or sp_fit is None:
+    return None
   model_calls = args.gamma * res["draft_step"]["median"] + verify
   loop_work = sp_fit["per_iteration"] - model_calls
   loop_ar = ar_fit["per_iteration"] * e2e["autoregressive"]["iterations"]
   loop_sp = sp_fit["per_iteration"] * e2e["speculative"]["iterations"]
   cost_model = model_row.get("cost_model")
   loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
+  mean_setup = {r: float(np.mean([setup[r][sh] for sh in shapes])) for r in setup}
   return {
-      "setup_seconds": setup, "model_calls_per_iteration": model_calls,
+      "fit_autoregressive": ar_fit, "fit_speculative": sp_fit,
+      "setup_seconds_mean": mean_setup,
+      "setup_seconds_by_shape": {r: {str(k): v for k, v in d.items()} for r, d in setup.items()},
+      "model_calls_per_iteration": model_calls,
       "loop_work": loop_work, "loop_work_over_verify": loop_work / verify,
       "ar_loop_work": ar_fit["per_iteration"] - res["target_step"]["median"],
       "fixed_ar": ar_fit["fixed"], "fixed_spec": sp_fit["fixed"],
-      "fixed_excess": sp_fit["fixed"] - (ar_fit["fixed"] + setup["draft"]),
+      "fixed_excess": sp_fit["fixed"] - ar_fit["fixed"],
       "loop_speedup": loop_speedup,
       "loop_efficiency": loop_speedup / cost_model if loop_speedup and cost_model else None,
       "efficiency": e2e["speedup"] / cost_model if e2e["speedup"] and cost_model else None}
@@ -253,7 +277,7 @@ def run(args) -> dict[str, Any]:
         if sp["seconds_per_iteration"] and verify is not None else None)
     model_row = next((r for r in rows if r["gamma"] == args.gamma), None)
     e2e["engine"] = _engine(args, result, e2e, verify, model_row, target, tparams, draft,
-                            dparams, enc)
+                            dparams, inputs)
   roofline = args.roofline == "on" or (args.roofline == "auto" and
                                        jax.default_backend() in ("gpu", "tpu"))
   result["roofline"] = _roofline(args, target, pc["target_fn"],
@@ -324,22 +348,21 @@ def _engine_md(e) -> list[str]:
     return ["- engine split (fixed cost per call, cost per iteration): n/a (a compacting "
             "loop's iterations do not cost alike, or the calls ran too few distinct iteration "
             "counts to separate them)"]
-  fit = lambda name: e[name]["call_fit"]
+  ar, sp = g["fit_autoregressive"], g["fit_speculative"]
   return [
-      "- engine split (least squares over the timed calls: seconds = fixed + per iteration x "
-      "iterations; residual rms autoregressive "
-      f"{_ms(fit('autoregressive')['residual_rms'])} ms, speculative "
-      f"{_ms(fit('speculative')['residual_rms'])} ms):",
-      f"  - per iteration: autoregressive {_ms(fit('autoregressive')['per_iteration'])} ms "
+      "- engine split (each call's seconds minus the models' set-up, timed per input shape, "
+      "fitted as fixed + per iteration x iterations by least squares; residual rms "
+      f"autoregressive {_ms(ar['residual_rms'])} ms, speculative {_ms(sp['residual_rms'])} ms):",
+      f"  - per iteration: autoregressive {_ms(ar['per_iteration'])} ms "
       f"(T_p + {_ms(g['ar_loop_work'])} ms of loop work); speculative "
-      f"{_ms(fit('speculative')['per_iteration'])} ms = model calls (gamma T_q + T_verify) "
+      f"{_ms(sp['per_iteration'])} ms = model calls (gamma T_q + T_verify) "
       f"{_ms(g['model_calls_per_iteration'])} ms + loop work {_ms(g['loop_work'])} ms "
       f"(**{fmt(g['loop_work_over_verify'], 2)} of one verify call**; goal <= 0.25)",
-      f"  - fixed cost per call: autoregressive {_ms(g['fixed_ar'])} ms, speculative "
-      f"{_ms(g['fixed_spec'])} ms; set-up alone (encoder + cross-attention cache): target "
-      f"{_ms(g['setup_seconds']['target'])} ms, draft {_ms(g['setup_seconds']['draft'])} ms; "
-      f"speculative - (autoregressive + draft set-up) = **{_ms(g['fixed_excess'])} ms** "
-      "(goal <= 0)",
+      f"  - per call: set-up (encoder + cross-attention cache, mean over calls) target "
+      f"{_ms(g['setup_seconds_mean']['target'])} ms, draft "
+      f"{_ms(g['setup_seconds_mean']['draft'])} ms; fixed cost beyond set-up: autoregressive "
+      f"{_ms(g['fixed_ar'])} ms, speculative {_ms(g['fixed_spec'])} ms, excess "
+      f"**{_ms(g['fixed_excess'])} ms** (goal <= 0: speculation adds only the draft's set-up)",
       f"  - the loops alone (per-iteration cost x iterations, no fixed costs): "
       f"{fmt(g['loop_speedup'], 2, 'X')}, **{fmt(g['loop_efficiency'], 2)} of the cost "
       f"model**; end to end: **{fmt(g['efficiency'], 2)} of the cost model** (goal >= 0.9)"]

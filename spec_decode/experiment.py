@@ -87,7 +87,7 @@ class ExperimentConfig:
       default_factory=lambda: {"inputs": 64, "targets": 64})
   max_decode_len: int | None = None
   gamma: int | None = 7
-  gamma_warmup_examples: int = 4
+  gamma_warmup_examples: int = 16
   max_gamma: int = 10
   gamma_rule: str = "cost_model"
   compact_batch: bool = False
@@ -503,7 +503,8 @@ def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
   speculative decode of the first `gamma_warmup_examples` examples with gamma 4
   (alpha does not depend on gamma); c: draft / target single-token step time on
   one batch; with the 'cost_model' rule also t(N) = T_verify(N) / T_p on that batch for
-  N in `verify_probe_tokens(max_gamma)`, interpolated between them
+  N in `verify_probe_tokens(max_gamma)`, made non-decreasing in N
+  (`theory.nondecreasing_costs`) and interpolated between them
   (`theory.optimal_gamma(..., verify_ratio=t)`): on a target whose verify call costs
   more than a step (a CPU, a large batch) Thm 3.8 picks too large a gamma. Both rules'
   choices and predictions are recorded. The choice is written to output_dir/gamma.json
@@ -542,10 +543,12 @@ def choose_gamma(s: _Setup, output_dir: str) -> dict[str, Any]:
               "thm_3_8": {"gamma": thm_gamma, "predicted_speedup": float(
                   theory.walltime_improvement(alpha, thm_gamma, c))}}
     if measured:
-      ratios = {int(n): r for n, r in steps["verify_ratio_by_tokens"].items()}
+      raw = {int(n): r for n, r in steps["verify_ratio_by_tokens"].items()}
+      ratios = theory.nondecreasing_costs(raw)  # timing noise must not pick gamma
       cm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=cfg.max_gamma,
                                           verify_ratio=ratios))
-      choice["verify_ratio_by_tokens"] = {str(n): r for n, r in sorted(ratios.items())}
+      choice["verify_ratio_by_tokens"] = {str(n): r for n, r in sorted(raw.items())}
+      choice["verify_ratio_fitted"] = {str(n): r for n, r in sorted(ratios.items())}
       choice["cost_model"] = {"gamma": cm_gamma, "predicted_speedup": float(
           theory.cost_model_improvement(alpha, cm_gamma, c, ratios))}
     choice["gamma"] = choice[cfg.gamma_rule]["gamma"]
@@ -635,8 +638,9 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   old_runs = {results.run_id_of(r) for r in rows.values()}
   gamma_choice = None
   if config.gamma is None and not config.decoders:
-    say(f"choosing gamma: measuring alpha and c on {config.gamma_warmup_examples} warm-up "
-        "examples")
+    say(f"choosing gamma ({config.gamma_rule}): measuring alpha, c"
+        + (" and the verify costs" if config.gamma_rule == "cost_model" else "")
+        + f" on {config.gamma_warmup_examples} warm-up examples")
     gamma_choice = choose_gamma(s, output_dir)
     s = dataclasses.replace(s, config=dataclasses.replace(config, gamma=gamma_choice["gamma"]))
   compile_times = {}  # this run's; empty when nothing was left to decode

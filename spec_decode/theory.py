@@ -105,6 +105,24 @@ def speculation_helps(alpha, c):
   return _out(_alpha(alpha) > _cost(c, "c"))
 
 
+def nondecreasing_costs(curve) -> dict:
+  """A measured cost curve {N: cost of N tokens} fitted to be non-decreasing in N (least
+  squares, pool-adjacent-violators): scoring more tokens in one call never costs less, so a
+  dip in a measured curve is timing noise (a verify ratio of 2.2 at N = 10 and 1.5 at
+  N = 11, say), which would otherwise decide a choice of gamma."""
+  if not curve:
+    raise ValueError("the cost curve is empty")
+  sizes = sorted(curve)
+  blocks = []  # [mean, count], merged while a block's mean exceeds the next one's
+  for n in sizes:
+    blocks.append([float(curve[n]), 1])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      (m1, c1), (m2, c2) = blocks[-2], blocks[-1]
+      blocks[-2:] = [[(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]]
+  fitted = [m for m, c in blocks for _ in range(c)]
+  return dict(zip(sizes, fitted))
+
+
 def cost_model_improvement(alpha, gamma, c, verify_ratio):
   """Expected walltime improvement when a verify call costs what was measured:
   E[tokens](alpha, gamma) / (gamma c + t(gamma + 1)), t(N) = T_verify(N) / T_p.

@@ -8,7 +8,7 @@ from scipy import stats as scipy_stats
 
 from spec_decode import decoding
 from spec_decode.decoding import Sampling, runner
-from spec_decode.models import t5
+from spec_decode.models import base, t5
 
 
 @pytest.fixture(scope="module")
@@ -170,22 +170,22 @@ class TestTrimmedInputs:
 
 
 class TestPackedInputs:
-  """Rows of different lengths are encoded packed (`pack_inputs`, `t5.packing_index`)."""
+  """Rows of different lengths are encoded packed (`pack_inputs`, `base.packing_index`)."""
 
   def test_packing_index(self):
     tokens = np.zeros((3, 8), np.int32)
     tokens[0, :2], tokens[1, :8], tokens[2, [0, 3]] = 5, 6, 7  # a PAD inside row 2
-    idx = t5.packing_index(tokens)
+    idx = base.packing_index(tokens)
     real = [0, 1, 8, 9, 10, 11, 12, 13, 14, 15, 16, 19]
     np.testing.assert_array_equal(idx, real + [24] * 4)  # 12 real -> P = 16, pad = B * S
-    assert t5.packing_index(np.full((2, 8), 5, np.int32)) is None  # nothing to save
-    assert t5.packing_index(tokens[:1, :2]) is None  # one trimmed row
+    assert base.packing_index(np.full((2, 8), 5, np.int32)) is None  # nothing to save
+    assert base.packing_index(tokens[:1, :2]) is None  # one trimmed row
 
   def test_packed_encoder_equals_padded(self, tiny):
     model, params = tiny
     enc = _enc(model.config.vocab_size, 6, seed=4, src=16)
     enc[np.argmax((enc > 0).sum(1)), 1] = 0  # a PAD inside the longest row
-    idx = t5.packing_index(enc)
+    idx = base.packing_index(enc)
     assert idx is not None and idx.size < enc.size
     padded, packed = model.encode(params, enc), model.encode(params, enc, packed_index=idx)
     mask = np.asarray(padded.mask)

@@ -377,8 +377,10 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
     assert json.load(f) == choice
   # The default rule charges the measured verify costs (N = 2..6, 8, 10, 11 tokens).
-  ratios = {int(n): r for n, r in choice["verify_ratio_by_tokens"].items()}
-  assert choice["rule"] == "cost_model" and sorted(ratios) == [2, 3, 4, 5, 6, 8, 10, 11]
+  raw = {int(n): r for n, r in choice["verify_ratio_by_tokens"].items()}
+  ratios = {int(n): r for n, r in choice["verify_ratio_fitted"].items()}
+  assert choice["rule"] == "cost_model" and sorted(raw) == [2, 3, 4, 5, 6, 8, 10, 11]
+  assert ratios == theory.nondecreasing_costs(raw)
   assert choice["gamma"] == choice["cost_model"]["gamma"] == theory.optimal_gamma(
       choice["alpha"], choice["c"], max_gamma=10, verify_ratio=ratios)
   assert choice["thm_3_8"]["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"],

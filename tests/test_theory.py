@@ -146,6 +146,21 @@ def test_cost_model_gamma_charges_the_measured_verify_cost():
     theory.cost_model_improvement(0.8, 1, 0.1, {2: 0.0, 3: 1.0})
 
 
+def test_nondecreasing_costs_pools_adjacent_violators():
+  assert theory.nondecreasing_costs({2: 1.0, 3: 1.2, 5: 1.5}) == {2: 1.0, 3: 1.2, 5: 1.5}
+  fitted = theory.nondecreasing_costs({2: 1.0, 8: 1.9, 10: 2.2, 11: 1.5, 12: 2.5})
+  np.testing.assert_allclose([fitted[n] for n in (2, 8, 10, 11, 12)],
+                             [1.0, 1.8667, 1.8667, 1.8667, 2.5], atol=1e-4)
+  rs = np.random.RandomState(0)
+  noisy = {n: 1 + 0.1 * n + 0.3 * rs.normal() for n in range(2, 20)}
+  fit = theory.nondecreasing_costs(noisy)
+  values = [fit[n] for n in sorted(fit)]
+  assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))
+  np.testing.assert_allclose(sum(values), sum(noisy.values()))  # means are kept
+  with pytest.raises(ValueError, match="empty"):
+    theory.nondecreasing_costs({})
+
+
 def test_optimal_gamma_edge_rules():
   # Factor keeps growing: c = 0 (alpha > 0) or alpha = 1 (c < 1) -> max_gamma.
   assert theory.optimal_gamma(0.5, 0.0, max_gamma=12) == 12

@@ -84,7 +84,7 @@ class LoopContext:
   lay tensors out by their logical axes (the target by `rules`, the draft by
   `draft_rules`); without one they are the identity. packed_index /
   draft_packed_index [P]: the encoders run on the real tokens only (`run`'s
-  pack_inputs, `t5.packing_index`), or None.
+  pack_inputs, `base.packing_index`), or None.
   """
   target: Any
   target_params: Any
@@ -341,13 +341,12 @@ def sharded(algorithm: Algorithm, target, draft, mesh, *, batch_shape, max_decod
 
 
 def pack_index(model, tokens):
-  """`t5.packing_index` of concrete tokens for models whose encoder runs packed
+  """`base.packing_index` of concrete tokens for models whose encoder runs packed
   (`supports_packed_encoding`), else None."""
   if tokens is None or not getattr(model, "supports_packed_encoding", False) \
       or isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "is_fully_addressable", True):
     return None
-  from spec_decode.models import t5
-  return t5.packing_index(tokens)
+  return base.packing_index(tokens)
 
 
 def compiled_shape(model, tokens) -> tuple[int, int | None]:
@@ -379,7 +378,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   64). Padding is masked everywhere, so this changes only the work, and each distinct
   length compiles once. pack_inputs (default, unsharded runs): rows of different lengths
   are encoded packed, the encoders' projections and MLPs running on the real tokens only
-  (`t5.packing_index`, rounded up to a power of two; a batch of 8 inputs of 6-23 tokens
+  (`base.packing_index`, rounded up to a power of two; a batch of 8 inputs of 6-23 tokens
   padded to 32 encodes ~128 positions instead of 256); the same states, less work.
   """
   if not isinstance(algorithm, Algorithm):

@@ -69,6 +69,21 @@ def validate_tokens(tokens, name: str, vocab_size: int):
   return arr.astype(np.int32, copy=False)
 
 
+def packing_index(tokens) -> np.ndarray | None:
+  """The flat positions b * S + s of the non-PAD tokens of concrete tokens [B, S], padded
+  with B * S to a power of two P >= 8 (one compile per P), for encoders that run packed
+  (`supports_packed_encoding`, e.g. `T5.encode(packed_index=)`); None when P would not be
+  smaller than B * S (nothing to save: one row trimmed of its padding, or rows of equal
+  length)."""
+  tokens = np.asarray(tokens)
+  B, S = tokens.shape
+  flat = np.flatnonzero(tokens.reshape(-1) != PAD_ID)
+  P = max(8, 1 << max(flat.size - 1, 0).bit_length())
+  if P >= B * S:
+    return None
+  return np.concatenate([flat, np.full(P - flat.size, B * S)]).astype(np.int32)
+
+
 def decoding_params(model, params):
   """`params` in the layout `model` decodes fastest with on this backend (its
   `decode_params`, e.g. T5's packed CPU kernels), or `params` itself for models

@@ -240,20 +240,6 @@ def _attend(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   return jnp.swapaxes(jnp.einsum("BNTL,BNLH->BNTH", weights, v_BNLH), 1, 2)
 
 
-def packing_index(tokens) -> np.ndarray | None:
-  """The flat positions b * S + s of the non-PAD tokens of concrete tokens [B, S], padded
-  with B * S to a power of two P >= 8 (one compile per P), for `T5.encode(packed_index=)`;
-  None when P would not be smaller than B * S (nothing to save: one row trimmed of its
-  padding, or rows of equal length)."""
-  tokens = np.asarray(tokens)
-  B, S = tokens.shape
-  flat = np.flatnonzero(tokens.reshape(-1) != PAD_ID)
-  P = max(8, 1 << max(flat.size - 1, 0).bit_length())
-  if P >= B * S:
-    return None
-  return np.concatenate([flat, np.full(P - flat.size, B * S)]).astype(np.int32)
-
-
 def _pack_rows(x_BS_, index_P):
   """x [B, S, ...] at the flat positions index [P] -> [P, ...] (index B * S: zeros)."""
   B, S = x_BS_.shape[:2]
@@ -297,7 +283,7 @@ class T5(base.ParamSpecs):
   """
   config: T5Config
   stream_params: bool = False
-  supports_packed_encoding = True  # encode(packed_index=): see `packing_index`
+  supports_packed_encoding = True  # encode(packed_index=): see `base.packing_index`
 
   def __post_init__(self):
     if not isinstance(self.stream_params, bool):
@@ -427,7 +413,7 @@ class T5(base.ParamSpecs):
   def encode(self, params: Params, encoder_tokens, packed_index=None) -> EncoderOutput:
     """Runs the encoder once. encoder_tokens [B, S] int, 0 = padding.
 
-    packed_index [P] int32 (`packing_index(encoder_tokens)`): run the encoder's
+    packed_index [P] int32 (`base.packing_index(encoder_tokens)`): run the encoder's
     projections and MLPs on the P positions it names only (the real tokens of every row,
     packed; attention still runs per row), instead of on all B * S positions. A batch of
     rows of different lengths padded to the longest then costs what its real tokens
