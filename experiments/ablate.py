@@ -10,8 +10,8 @@ Draft variants: the drafts of --drafts as they are (their natural c), and the
 x * T_p more (c ~ c0 + x); alpha stays that of the undelayed draft. For each
 variant and each gamma in --gammas, speculative decoding of the same
 --num_examples examples is timed against the autoregressive baseline (all
-after compilation, --repeats rounds, each speculative pass paired with a baseline pass
-just before it, the median ratio kept), next to
+after compilation, --repeats speculative passes, each paired with a baseline pass just
+before it, the median ratio kept), next to
   Thm 3.8:    (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), at the
               variant's measured alpha and c; and
   cost model: E[tokens] / (gamma c + T_verify(gamma+1) / T_p), which charges
@@ -39,6 +39,7 @@ import numpy as np
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt
 from spec_decode import batching, metrics, timing
+from spec_decode.experiment import release_executables_if_crowded
 from spec_decode.models.delayed import DelayedDecoder
 
 
@@ -125,10 +126,17 @@ def run(args) -> dict[str, Any]:
               for d, s in loaded.items() if d in args.drafts]
   cache_length = cfg.decode_len + max(args.gammas) + 1
   enc = batches[0][0]
-  kw = dict(cache_length=cache_length, position=cfg.decode_len // 2, steps=args.loop_steps)
+  kw = dict(cache_length=cache_length, position=cfg.decode_len // 2)
+  # Step costs as the marginal cost of one more decode in a jitted loop (loops of k and
+  # 2k decodes, see costs.interleaved): a k-decode call divided by k would charge each
+  # step a share of the call's fixed cost (for the 3.7M demo target 0.385 ms per step
+  # against 0.13 ms marginal), pulling c and T_verify / T_p towards 1.
+  k = args.loop_steps
+  marginal = lambda model, params, n: tuple(costs.decode_step(
+      model, params, enc, num_tokens=n, steps=s, **kw) for s in (k, 2 * k))
   t_p0 = float(np.median(costs.interleaved(
-      {"t": costs.decode_step(target, tparams, enc, num_tokens=1, **kw)},
-      repeats=max(3, args.repeats), inner=args.inner)["t"]))
+      {"t": marginal(target, tparams, 1)}, repeats=max(3, args.repeats),
+      inner=args.inner)["t"]))
   if args.added_c and args.delay_draft in loaded:
     d = loaded[args.delay_draft]
     delays = _calibrate(args, d.draft, d.draft_params, enc, cache_length, t_p0)
@@ -139,11 +147,11 @@ def run(args) -> dict[str, Any]:
                               args.delay_draft, model, model.wrap_params(d.draft_params, delay),
                               added=x, delay=delay))
   # Step costs, interleaved: T_p, each variant's T_q, and the verify calls.
-  fns = {"target": costs.decode_step(target, tparams, enc, num_tokens=1, **kw)}
+  fns = {"target": marginal(target, tparams, 1)}
   for i, v in enumerate(variants):
-    fns[f"draft_{i}"] = costs.decode_step(v.model, v.params, enc, num_tokens=1, **kw)
+    fns[f"draft_{i}"] = marginal(v.model, v.params, 1)
   for g in args.gammas:
-    fns[f"verify_{g}"] = costs.decode_step(target, tparams, enc, num_tokens=g + 1, **kw)
+    fns[f"verify_{g}"] = marginal(target, tparams, g + 1)
   times = costs.interleaved(fns, repeats=args.repeats, inner=args.inner)
   t_p = times["target"]
   c = [_common.spread(costs.ratios(times[f"draft_{i}"], t_p)) for i in range(len(variants))]
@@ -155,18 +163,20 @@ def run(args) -> dict[str, Any]:
   spec = {(i, g): (lambda enc, ids, v=v, g=g: decoding.speculative(
       target, tparams, v.model, v.params, enc, gamma=g, row_ids=ids, **common))
       for i, v in enumerate(variants) for g in args.gammas}
-  jax.block_until_ready(ar(*batches[0]))
-  for f in spec.values():
-    jax.block_until_ready(f(*batches[0]))
   # Each speculative pass is paired with an autoregressive pass just before it: this
-  # machine's speed drifts by tens of percent over the minutes a round of every variant
-  # takes, so one baseline pass per round would bias the later variants' ratios.
+  # machine's speed drifts by tens of percent over the minutes a sweep takes, so one
+  # baseline pass per round would bias the later variants' ratios. One variant and gamma
+  # at a time, all its rounds together: a sweep's ~70 compiled loops would not fit in the
+  # process's memory maps at once (see experiment.release_executables_if_crowded).
   ar_s, spec_s, outs = {k: [] for k in spec}, {k: [] for k in spec}, {}
-  for _ in range(args.repeats):
-    for k, f in spec.items():
+  for k, f in spec.items():
+    jax.block_until_ready(ar(*batches[0]))  # compiled again after a release
+    jax.block_until_ready(f(*batches[0]))
+    for _ in range(args.repeats):
       ar_s[k].append(_decode_all(ar, batches)[0])
       seconds, outs[k] = _decode_all(f, batches)
       spec_s[k].append(seconds)
+    release_executables_if_crowded()
   rows = []
   for (i, g), secs in spec_s.items():
     st = _stats(outs[(i, g)], len(examples))
@@ -327,7 +337,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--inner", type=int, default=3)
   p.add_argument("--loop_steps", type=int, default=8,
-                 help="decode steps per timed call, in one jitted loop (see costs.py)")
+                 help="k: step costs are marginal, from jitted loops of k and 2k decodes "
+                 "(see costs.py)")
   p.add_argument("--demo_models", default=None)
   p.add_argument("--no_plots", dest="plots", action="store_false")
   p.add_argument("--results_dir", default=_common.RESULTS_DIR)
@@ -367,10 +378,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
                f"a chain of [{args.matmul_size}, {args.matmul_size}] matmuls per draft call"
                if args.delay_mode == "compute" else "a host-callback sleep per draft call")
            + " (spec_decode/models/delayed.py); the delay is calibrated to add about x * T_p per call.",
-           f"Speedups: median over {args.repeats} rounds of autoregressive / speculative seconds "
-           "on the same examples, each speculative pass timed right after its own baseline pass "
-           "(the machine's speed drifts); c and T_verify/T_p are medians of per-round ratios of step "
-           f"times measured {args.loop_steps} steps per jitted loop (no per-step dispatch)."] + \
+           f"Speedups: median over {args.repeats} passes of autoregressive / speculative seconds "
+           "on the same examples, each speculative pass timed right after its own baseline "
+           "pass (the machine's speed drifts); c and T_verify/T_p are medians of per-round "
+           "ratios of marginal step costs: (t(2k) - t(k)) / k for jitted loops of k = "
+           f"{args.loop_steps} and 2k decodes (no per-step dispatch, no call's fixed cost)."] + \
       res["notes"]
   stem = os.path.join(args.results_dir, f"ablate_{args.task}")
   os.makedirs(args.results_dir, exist_ok=True)

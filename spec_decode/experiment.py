@@ -442,9 +442,10 @@ def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str
 
   verify_ratio_by_tokens[n] = T_verify(n) / T_p for every n = K + 1 some decoder
   verifies at once (K its largest proposal) and every n in `verify_tokens`;
-  verify_ratio is the primary decoder's (n = gamma + 1). Without a draft only the target step is timed. The draft's
-  step is a draft model's single-token step, an EAGLE head's drafting step, or for heads
-  proposing several tokens per call (Medusa, MTP) their `token_seconds`.
+  verify_ratio is the primary decoder's (n = gamma + 1). Without a draft only the target
+  step is timed. The draft's step is a draft model's single-token step, an EAGLE head's
+  drafting step, or for heads proposing several tokens per call (Medusa, MTP) their
+  `token_seconds`.
   """
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
@@ -603,11 +604,12 @@ def release_executables_if_crowded(fraction: float = 0.5) -> bool:
   than `fraction` of the kernel's vm.max_map_count memory regions; True if it did.
 
   XLA:CPU maps each executable's code and data into regions of its own (measured
-  here: ~6 for a small function, ~420 for a speculative decoding loop, ~200 for
-  an autoregressive one) and keeps them while the executable is cached. A process
-  that compiles a few hundred decoding loops (a sweep) reaches the limit (65530 by
-  default), and the next compilation's mmap fails inside XLA with a segmentation
-  fault. Dropping the caches only costs recompiling what is used again.
+  here: ~6 for a small function, ~770 for a speculative decoding loop of the demo
+  pair, a few hundred for an autoregressive one) and keeps them while the executable
+  is cached. A process that holds about 80 decoding loops (a gamma x draft sweep)
+  reaches the limit (65530 by default), and the next compilation fails inside XLA
+  ("LLVM ERROR: Unable to allocate section memory", or a segmentation fault).
+  Dropping the caches only costs recompiling what is used again.
   """
   use = memory_map_use()
   if use is None or use[0] <= fraction * use[1]:

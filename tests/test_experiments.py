@@ -19,7 +19,7 @@ import pytest
 from experiments import (ablate, batch_scaling, benchmark, costs, demo_quality, heads,
                          paper_tables, peers, reproduce, results_readme, setups, trees,
                          verify_scaling)
-from spec_decode import decoding, theory
+from spec_decode import decoding, experiment, theory
 from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
 
@@ -299,7 +299,13 @@ def test_heads_on_the_demo_pair(out):
     heads.parse_args(["--tasks", "wmt"])
 
 
-def test_ablate_tiny(out):
+def test_ablate_tiny(out, monkeypatch):
+  # Executables released after every variant and gamma (a full sweep would run out of
+  # memory maps otherwise): the next ones compile again and measure the same decisions.
+  released = []
+  real = ablate.release_executables_if_crowded
+  monkeypatch.setattr(ablate, "release_executables_if_crowded",
+                      lambda: released.append(real(fraction=0.0)))
   paths = ablate.main(["--scale", "tiny", "--drafts", "small", "--gammas", "7",
                        "--temperature", "1", "--added_c", "0.5,1", "--matmul_size", "16",
                        "--repeats", "1", "--inner", "1", "--num_examples", "1",
@@ -310,6 +316,7 @@ def test_ablate_tiny(out):
   assert len(_rows_of(doc["readme_markdown"])) == 3  # one summary row per draft variant
   assert len(_rows(paths["md"])) == 3
   assert len({r["alpha"] for r in rows}) == 1  # same logits, same keys: the same decisions
+  assert released == [True] * 3 or experiment.memory_map_use() is None
   for r in rows:
     np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(
         r["alpha"], r["gamma"], r["c"]), rtol=1e-6)
