@@ -127,13 +127,12 @@ def run(args) -> dict[str, Any]:
   cache_length = cfg.decode_len + max(args.gammas) + 1
   enc = batches[0][0]
   kw = dict(cache_length=cache_length, position=cfg.decode_len // 2)
-  # Step costs as the marginal cost of one more decode in a jitted loop (loops of k and
-  # 2k decodes, see costs.interleaved): a k-decode call divided by k would charge each
-  # step a share of the call's fixed cost (for the 3.7M demo target 0.385 ms per step
-  # against 0.13 ms marginal), pulling c and T_verify / T_p towards 1.
-  k = args.loop_steps
-  marginal = lambda model, params, n: tuple(costs.decode_step(
-      model, params, enc, num_tokens=n, steps=s, **kw) for s in (k, 2 * k))
+  # Step costs as the marginal cost of one more decode in a jitted loop (loops of
+  # k = --loop_steps and 2k decodes, see costs.interleaved): a k-decode call divided by k
+  # would charge each step a share of the call's fixed cost (for the 3.7M demo target
+  # 0.385 ms per step against 0.13 ms marginal), pulling c and T_verify / T_p towards 1.
+  marginal = lambda model, params, n: costs.marginal_steps(
+      model, params, enc, num_tokens=n, steps=args.loop_steps, **kw)
   t_p0 = float(np.median(costs.interleaved(
       {"t": marginal(target, tparams, 1)}, repeats=max(3, args.repeats),
       inner=args.inner)["t"]))
@@ -169,14 +168,15 @@ def run(args) -> dict[str, Any]:
   # at a time, all its rounds together: a sweep's ~70 compiled loops would not fit in the
   # process's memory maps at once (see experiment.release_executables_if_crowded).
   ar_s, spec_s, outs = {k: [] for k in spec}, {k: [] for k in spec}, {}
+  jax.block_until_ready(ar(*batches[0]))
   for k, f in spec.items():
-    jax.block_until_ready(ar(*batches[0]))  # compiled again after a release
     jax.block_until_ready(f(*batches[0]))
     for _ in range(args.repeats):
       ar_s[k].append(_decode_all(ar, batches)[0])
       seconds, outs[k] = _decode_all(f, batches)
       spec_s[k].append(seconds)
-    release_executables_if_crowded()
+    if release_executables_if_crowded():
+      jax.block_until_ready(ar(*batches[0]))  # compiled again before it is timed
   rows = []
   for (i, g), secs in spec_s.items():
     st = _stats(outs[(i, g)], len(examples))
@@ -377,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            f"Delay mode {args.delay_mode}: " + (
                f"a chain of [{args.matmul_size}, {args.matmul_size}] matmuls per draft call"
                if args.delay_mode == "compute" else "a host-callback sleep per draft call")
-           + " (spec_decode/models/delayed.py); the delay is calibrated to add about x * T_p per call.",
+           + " (spec_decode/models/delayed.py); the delay is calibrated to add about x * T_p "
+           "per call.",
            f"Speedups: median over {args.repeats} passes of autoregressive / speculative seconds "
            "on the same examples, each speculative pass timed right after its own baseline "
            "pass (the machine's speed drifts); c and T_verify/T_p are medians of per-round "

@@ -64,6 +64,13 @@ def interleaved(fns: Mapping[str, Any], *, repeats: int, warmup: int = 2,
   return out
 
 
+def marginal_steps(model, params, encoder_tokens, *, num_tokens: int, steps: int, **kw):
+  """(a `steps`-decode loop, a 2 * `steps`-decode loop) of the same decode (`decode_step`
+  with `kw`): given to `interleaved`, it times the marginal cost of one more decode."""
+  return tuple(decode_step(model, params, encoder_tokens, num_tokens=num_tokens, steps=k, **kw)
+               for k in (steps, 2 * steps))
+
+
 def pair_costs(target, target_params, draft, draft_params, encoder_tokens, *,
                gammas, cache_length: int, position: int, steps: int, repeats: int,
                inner: int, mesh=None, marginal: bool = True,
@@ -87,9 +94,11 @@ def pair_costs(target, target_params, draft, draft_params, encoder_tokens, *,
             compiler_options=None if mesh is not None else compiler_options)
 
   def fn(model, params, tokens, rules):
-    make = lambda k: decode_step(model, params, encoder_tokens, num_tokens=tokens, rules=rules,
-                                 steps=k, **kw)
-    return (make(steps), make(2 * steps)) if marginal else make(steps)
+    if marginal:
+      return marginal_steps(model, params, encoder_tokens, num_tokens=tokens, steps=steps,
+                            rules=rules, **kw)
+    return decode_step(model, params, encoder_tokens, num_tokens=tokens, rules=rules,
+                       steps=steps, **kw)
 
   fns = {"target": fn(target, target_params, 1, rules),
          "draft": fn(draft, draft_params, 1, draft_rules)}
