@@ -7,6 +7,7 @@
 Algorithms, drafters and verifiers are registered by name (`registry`).
 """
 
+from spec_decode import compile_options
 from spec_decode.decoding import registry
 from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
 from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, EagleDrafter,
@@ -19,6 +20,8 @@ from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Pr
                                         Verdict)
 from spec_decode.decoding.verifiers import (BlockVerifier, ChainVerifier, TreeRRSVerifier,
                                             TreeVerifier, Verifier)
+
+compile_options.unroll_threefry_on_cpu()  # random draws in decoding loops: see its doc
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
            "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter",
