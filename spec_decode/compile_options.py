@@ -20,8 +20,9 @@ speculative iteration of the demo pair draws 7-10 times (row keys, splits, the d
 samples, the acceptance uniforms, the residual draw) and ran ~1,600 kernels against ~680
 greedy; with the unrolled lowering JAX uses on other backends it runs ~840, and the
 sampled speculative decode of the 3.7M demo pair took 1.00-1.06x its greedy time against
-1.09-1.17x (same examples, same process). The hash is the same, so every random bit is
-unchanged (tests/test_compile_options.py); a call costs some more compile time.
+1.09-1.17x (the same examples at t=0 and t=1 in one process, two processes per lowering).
+The hash is the same, so every random bit is unchanged (tests/test_compile_options.py); a
+call costs some more compile time.
 SPEC_DECODE_UNROLLED_THREEFRY=0 keeps JAX's lowering.
 """
 
