@@ -73,13 +73,19 @@ def resolve(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
 ENV_THREEFRY = "SPEC_DECODE_UNROLLED_THREEFRY"
 
 
+def switched_off(env_var: str) -> bool:
+  """Whether the environment turns a default-on speed path off: `env_var` set to 0, false,
+  no or off (any case; unset or anything else leaves it on)."""
+  return os.environ.get(env_var, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 @functools.lru_cache(maxsize=None)
 def unroll_threefry_on_cpu() -> bool:
   """Lowers JAX's Threefry hash unrolled on CPU too (see the module doc), once per process;
   whether it now is. Lowerings made before the call keep the rolled loop. Needs JAX's
   internal lowering rule; where a JAX version has none under the known names, JAX's own
   lowering stays (logged) and nothing else changes."""
-  if os.environ.get(ENV_THREEFRY, "1").strip().lower() in ("0", "false", "no", "off"):
+  if switched_off(ENV_THREEFRY):
     return False
   try:
     from jax._src.interpreters import mlir

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode import compile_options
+
 PANEL = 16
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET = "spec_decode_small_m_matmul"
@@ -166,7 +168,7 @@ def _build() -> Path:
 @functools.lru_cache(maxsize=None)
 def _register() -> str | None:
   """Builds and registers the kernel once per process; None on success, else why not."""
-  if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+  if compile_options.switched_off(ENV_DISABLE):
     return f"disabled by {ENV_DISABLE}"
   try:
     lib = ctypes.cdll.LoadLibrary(str(_build()))
