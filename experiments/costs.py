@@ -135,6 +135,31 @@ def fixed_and_per_iteration(seconds, iterations) -> dict[str, float] | None:
           "residual_rms": float(np.sqrt(np.mean(residual ** 2))), "calls": int(t.size)}
 
 
+def model_work_speedup(*, target_setup, draft_setup, target_step: float, ar_iterations,
+                       spec_iteration: float, spec_iterations) -> float:
+  """The end-to-end speedup of decoders that spend time only in model work, on the calls
+  that ran: per call the target's set-up (autoregressive) or the target's and the draft's
+  (speculative), then `target_step` per autoregressive iteration and `spec_iteration`
+  (gamma T_q + T_verify(gamma + 1)) per speculative one, at the iteration counts the calls
+  made. The cost model leaves the set-up (the encoders) out and charges E[tokens] per
+  iteration; this bound keeps both as measured, so measured / bound is what the engine
+  (fixed costs, loop work, dispatch) loses, whatever the encoders cost.
+
+  target_setup, draft_setup, ar_iterations, spec_iterations: one value per call.
+  """
+  st, sd, ia, isp = (np.asarray(v, np.float64) for v in (target_setup, draft_setup,
+                                                          ar_iterations, spec_iterations))
+  if not st.shape == sd.shape == ia.shape == isp.shape or st.ndim != 1 or not st.size:
+    raise ValueError(f"per-call vectors of one length wanted, got {st.shape}, {sd.shape}, "
+                     f"{ia.shape}, {isp.shape}")
+  if min(target_step, spec_iteration) <= 0 or (st < 0).any() or (sd < 0).any():
+    raise ValueError(f"costs must be positive, got target_step {target_step}, "
+                     f"spec_iteration {spec_iteration}")
+  autoregressive = st.sum() + target_step * ia.sum()
+  speculative = st.sum() + sd.sum() + spec_iteration * isp.sum()
+  return float(autoregressive / speculative)
+
+
 def setup_seconds(model, params, encoder_tokens, *, cache_length: int, repeats: int = 10,
                   compiler_options=None) -> dict[str, float]:
   """Seconds of a decode call's set-up for `model` alone: encoding `encoder_tokens` and

@@ -263,6 +263,25 @@ def test_call_fit_separates_fixed_and_per_iteration_costs():
     costs.fixed_and_per_iteration([0.1, 0.2], [4])
 
 
+def test_model_work_speedup_charges_setup_per_call():
+  # Two calls: autoregressive 2 ms set-up + 10 steps of 1 ms each; speculative 2 + 0.5 ms
+  # set-up + 3 iterations of 2 ms each.
+  got = costs.model_work_speedup(target_setup=[0.002, 0.002], draft_setup=[0.0005, 0.0005],
+                                 target_step=0.001, ar_iterations=[10, 10],
+                                 spec_iteration=0.002, spec_iterations=[3, 3])
+  np.testing.assert_allclose(got, (0.004 + 0.020) / (0.005 + 0.012))
+  # No set-up: the loops' ratio alone.
+  np.testing.assert_allclose(costs.model_work_speedup(
+      target_setup=[0.0], draft_setup=[0.0], target_step=0.001, ar_iterations=[12],
+      spec_iteration=0.002, spec_iterations=[3]), 2.0)
+  with pytest.raises(ValueError, match="one length"):
+    costs.model_work_speedup(target_setup=[0.1], draft_setup=[0.1, 0.1], target_step=1.0,
+                             ar_iterations=[1], spec_iteration=1.0, spec_iterations=[1])
+  with pytest.raises(ValueError, match="positive"):
+    costs.model_work_speedup(target_setup=[0.1], draft_setup=[0.1], target_step=0.0,
+                             ar_iterations=[1], spec_iteration=1.0, spec_iterations=[1])
+
+
 def test_peers_tiny(out):
   pytest.importorskip("transformers")
   paths = peers.main(_TINY_MODELS + [
