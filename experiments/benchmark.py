@@ -267,6 +267,8 @@ def run(args) -> dict[str, Any]:
   result["e2e"] = e2e
   alpha = None if e2e is None or math.isnan(e2e["alpha"]) else e2e["alpha"]
   from spec_decode import theory
+  if alpha is not None:
+    e2e["expected_tokens"] = float(theory.expected_tokens(alpha, args.gamma))
   rows = []
   for g in args.gammas:
     r = pc["verify_ratio"][g]
@@ -326,7 +328,9 @@ def _summary_md(args, res: dict[str, Any]) -> str:
         f"tokens/s ({fmt(e['speculative']['tokens'], 0)} tokens, "
         f"{fmt_spread(e['speculative']['seconds'])} s)",
         f"- measured alpha {fmt(e['alpha'])} (observed acceptance {fmt(e['alpha_observed'])}), "
-        f"{fmt(e['tokens_per_target_call'], 2)} tokens per target call",
+        f"{fmt(e['tokens_per_target_call'], 2)} tokens per target call (E[tokens] at this "
+        f"alpha and gamma: {fmt(e.get('expected_tokens'), 2)}; fewer where a sequence ends "
+        f"inside an iteration's block)",
         f"- loop overhead beyond the decode steps (encoding, sampling, control): "
         f"autoregressive {_ms(e['ar_overhead_per_iteration'])} ms per token step "
         f"(T_p {_ms(res['target_step']['median'])} ms); speculative "
