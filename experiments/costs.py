@@ -153,8 +153,9 @@ def model_work_speedup(*, target_setup, draft_setup, target_step: float, ar_iter
     raise ValueError(f"per-call vectors of one length wanted, got {st.shape}, {sd.shape}, "
                      f"{ia.shape}, {isp.shape}")
   if min(target_step, spec_iteration) <= 0 or (st < 0).any() or (sd < 0).any():
-    raise ValueError(f"costs must be positive, got target_step {target_step}, "
-                     f"spec_iteration {spec_iteration}")
+    raise ValueError(f"costs must be positive and set-ups non-negative, got target_step "
+                     f"{target_step}, spec_iteration {spec_iteration}, smallest set-ups "
+                     f"{st.min()}, {sd.min()}")
   autoregressive = st.sum() + target_step * ia.sum()
   speculative = st.sum() + sd.sum() + spec_iteration * isp.sum()
   return float(autoregressive / speculative)
