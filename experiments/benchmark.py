@@ -194,8 +194,9 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
         setup[role][shape] = costs.setup_seconds(
             m, p, b, cache_length=room, repeats=args.repeats,
             compiler_options=args.compiler_options)["median"]
-  net = lambda name, roles: [t - sum(setup[r][sh] for r in roles) for t, sh in zip(
-      e2e[name]["call_seconds"], shapes)]
+  per_call = {r: np.array([setup[r][sh] for sh in shapes]) for r in setup}  # set-up by call
+  net = lambda name, roles: np.asarray(e2e[name]["call_seconds"]) - sum(per_call[r]
+                                                                        for r in roles)
   ar_fit = costs.fixed_and_per_iteration(net("autoregressive", ("target",)),
                                          e2e["autoregressive"]["call_iterations"])
   sp_fit = costs.fixed_and_per_iteration(net("speculative", ("target", "draft")),
@@ -208,10 +209,9 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
   loop_sp = sp_fit["per_iteration"] * e2e["speculative"]["iterations"]
   cost_model = model_row.get("cost_model")
   loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
-  mean_setup = {r: float(np.mean([setup[r][sh] for sh in shapes])) for r in setup}
+  mean_setup = {r: float(np.mean(v)) for r, v in per_call.items()}
   bound = costs.model_work_speedup(
-      target_setup=[setup["target"][sh] for sh in shapes],
-      draft_setup=[setup["draft"][sh] for sh in shapes],
+      target_setup=per_call["target"], draft_setup=per_call["draft"],
       target_step=res["target_step"]["median"],
       ar_iterations=e2e["autoregressive"]["call_iterations"], spec_iteration=model_calls,
       spec_iterations=e2e["speculative"]["call_iterations"])
