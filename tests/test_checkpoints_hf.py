@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import float64_reference as f64  # noqa: E402
 from spec_decode import checkpoints  # noqa: E402
 from spec_decode.models import t5  # noqa: E402
 
@@ -33,15 +34,10 @@ def make_hf(feed_forward_proj="gated-gelu", tie_word_embeddings=False, untie=Tru
   return model
 
 
-def hf_logits(model, enc=ENC, dec=DEC):
-  with torch.no_grad():
-    return model(input_ids=torch.tensor(enc, dtype=torch.long),
-                 attention_mask=torch.tensor(enc > 0, dtype=torch.long),
-                 decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
-
-
-def our_logits(config, params, enc=ENC, dec=DEC):
-  return np.asarray(t5.T5(config).forward(params, enc, dec))
+def check_logits(model, config, params):
+  """Ours and transformers' logits on ENC/DEC: the same function in float64, each within
+  float32 rounding of it (tests/float64_reference.py)."""
+  f64.check_t5_against_hf(model, config, params, ENC, DEC)
 
 
 @pytest.mark.parametrize("kind", ["v1_1", "v1_1_tied_unscaled", "t5_1_0"])
@@ -56,7 +52,7 @@ def test_load_transformers_save_pretrained(tmp_path, kind):
   config, params = checkpoints.load(tmp_path / "hf", dtype=jnp.float32)
   assert (config.num_encoder_layers, config.num_decoder_layers, config.mlp_dim) == (2, 3, 48)
   assert config.logits_via_embedding == (kind == "t5_1_0")
-  np.testing.assert_allclose(our_logits(config, params), hf_logits(model), atol=1e-4, rtol=0)
+  check_logits(model, config, params)
 
 
 def test_load_pytorch_bin(tmp_path):
@@ -82,7 +78,7 @@ def test_our_hf_save_loads_in_transformers(tmp_path, preset):
   assert hf_config["tie_word_embeddings"] == config.logits_via_embedding
   assert hf_config["feed_forward_proj"] == ("relu" if preset == "t5_tiny" else "gated-gelu")
   model = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
-  np.testing.assert_allclose(hf_logits(model), our_logits(config, params), atol=1e-4, rtol=0)
+  check_logits(model, config, params)
 
 
 def test_our_bfloat16_hf_save(tmp_path):
@@ -138,4 +134,4 @@ def test_index_shard_outside_the_directory_is_refused(tmp_path, shard):
                      match="weight_map names .*which lies outside the checkpoint"):
     checkpoints.load(hf_dir)
   config, params = checkpoints.load(hf_dir, dtype=jnp.float32, allow_outside_paths=True)
-  np.testing.assert_allclose(our_logits(config, params), hf_logits(model), atol=1e-4)
+  check_logits(model, config, params)

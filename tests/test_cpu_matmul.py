@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import float64_reference as f64
 from spec_decode import decoding
 from spec_decode.kernels import cpu_matmul
 from spec_decode.models import base, t5
@@ -100,6 +101,15 @@ def test_matmul_refuses_a_feature_mismatch():
     cpu_matmul.matmul(jnp.ones((2, 7)), w)
 
 
+def _check_kernel_and_xla_dots(model, packed, params, enc, dec):
+  """The model's logits with packed kernels (the CPU kernel) and with XLA's dots: each
+  within float32 rounding of the float64 run (tests/float64_reference.py)."""
+  ref64, noise = f64.t5_float64_reference(model.config, params, enc, dec)
+  kernel, dots = (np.asarray(model.forward(p, enc, dec)) for p in (packed, params))
+  f64.assert_float32_rounding(kernel, ref64, noise, "CPU kernel", others=[("XLA dots", dots)])
+  f64.assert_float32_rounding(dots, ref64, noise, "XLA dots", others=[("CPU kernel", kernel)])
+
+
 @pytest.fixture
 def pack_small(monkeypatch):
   """Pack even the tests' small models (by default only large ones are packed)."""
@@ -133,8 +143,7 @@ def test_only_large_kernels_are_packed(monkeypatch):
   assert model.decode_params(packed) is packed  # a packed tree is not packed again
   enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
   dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
-  np.testing.assert_allclose(np.asarray(model.forward(packed, enc, dec)),
-                             np.asarray(model.forward(params, enc, dec)), rtol=1e-5, atol=1e-5)
+  _check_kernel_and_xla_dots(model, packed, params, enc, dec)
 
 
 @needs_kernel
@@ -149,8 +158,7 @@ def test_t5_decode_params_packs_once_and_keeps_the_function(pack_small):
                                 np.asarray(params["decoder"]["layers_1"]["mlp"]["wo"]["kernel"]))
   enc = jax.random.randint(jax.random.PRNGKey(1), (3, 9), 2, 100)
   dec = jax.random.randint(jax.random.PRNGKey(2), (3, 6), 2, 100)
-  np.testing.assert_allclose(np.asarray(model.forward(packed, enc, dec)),
-                             np.asarray(model.forward(params, enc, dec)), rtol=1e-5, atol=1e-5)
+  _check_kernel_and_xla_dots(model, packed, params, enc, dec)
   # Another tree (same values, new arrays) is packed anew; models without the hook pass through.
   other = jax.tree_util.tree_map(jnp.array, params)
   assert model.decode_params(other) is not packed

@@ -1,8 +1,9 @@
 """Our T5 against Hugging Face's T5ForConditionalGeneration on the same random weights.
 
 HF weights are mapped into our tree with `checkpoints.hf.from_state_dict`
-(the same name mapping the HF checkpoint reader uses). Checks float32 logits
-(atol 1e-4) and greedy decoding token for token, for T5.1.1 (gated GELU,
+(the same name mapping the HF checkpoint reader uses). Checks logits (the same
+function in float64, each float32 run within float32 rounding of it:
+tests/float64_reference.py) and greedy decoding token for token, for T5.1.1 (gated GELU,
 untied output projection) and a T5 1.0-style model (ReLU 'wi', tied and
 scaled embeddings).
 """
@@ -13,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import float64_reference as f64  # noqa: E402
 from spec_decode import decoding  # noqa: E402
 from spec_decode.checkpoints import hf  # noqa: E402
 from spec_decode.models import t5  # noqa: E402
@@ -51,14 +53,6 @@ def ours_from_hf(model):
   return t5.T5(config), params
 
 
-def hf_logits(model, encoder_tokens, decoder_tokens):
-  with torch.no_grad():
-    out = model(input_ids=torch.tensor(encoder_tokens, dtype=torch.long),
-                attention_mask=torch.tensor(encoder_tokens > 0, dtype=torch.long),
-                decoder_input_ids=torch.tensor(decoder_tokens, dtype=torch.long))
-  return out.logits.numpy()
-
-
 def decoder_inputs(seed: int, length: int = 7):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(2, VOCAB, size=(len(ENCODER_TOKENS), length)).astype(np.int32)
@@ -67,13 +61,10 @@ def decoder_inputs(seed: int, length: int = 7):
 
 
 def check_logits(model, ours, params, seed):
-  decoder_tokens = decoder_inputs(seed)
-  expected = hf_logits(model, ENCODER_TOKENS, decoder_tokens)
-  got = np.asarray(ours.forward(params, ENCODER_TOKENS, decoder_tokens))
-  err = float(np.max(np.abs(got - expected)))
-  print(f"max |logit difference| vs HF: {err:.3e} (logit scale {np.abs(expected).max():.2f})")
-  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-  return err
+  got, ref64 = f64.check_t5_against_hf(model, ours.config, params, ENCODER_TOKENS,
+                                       decoder_inputs(seed))
+  print(f"max |logit error| vs float64: {np.abs(got - ref64).max():.3e} "
+        f"(logit scale {np.abs(ref64).max():.2f})")
 
 
 @pytest.fixture(scope="module")

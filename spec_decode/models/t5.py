@@ -85,7 +85,8 @@ class T5Config:
 
   `dtype` is the dtype of parameters, activations and the KV cache (float32 on
   CPU, bfloat16 on accelerators); norms and softmax always run in float32 and
-  logits are returned in float32.
+  logits are returned in float32. A float64 model (under `jax_enable_x64`) runs
+  everything in float64: the tests' reference for float32 parity.
   """
   vocab_size: int = 32128
   emb_dim: int = 512
@@ -221,8 +222,14 @@ def relative_position_bucket(relative_position, *, bidirectional: bool, num_buck
   return bucket + jnp.where(n < max_exact, n, large)
 
 
+def _at_least_f32(dtype):
+  """The dtype norms, softmax and logits are computed in: float32, or float64 for a
+  float64 model (a reference run under `jax_enable_x64`)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _rms_norm(x, scale, eps):
-  x32 = x.astype(jnp.float32)
+  x32 = x.astype(_at_least_f32(x.dtype))
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y.astype(x.dtype) * scale.astype(x.dtype)
 
@@ -232,7 +239,8 @@ def _attend(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   in the cache's layouts (`DecodeCache`); bias_BNTL may be None. Both products are in
   the form XLA multiplies without moving K or V: [batch..., M, K] @ [batch..., K, N]."""
   q_BNTH = jnp.swapaxes(q_BTNH, 1, 2)
-  logits = jnp.einsum("BNTH,BNHL->BNTL", q_BNTH, k_BNHL).astype(jnp.float32)
+  logits = jnp.einsum("BNTH,BNHL->BNTL", q_BNTH, k_BNHL)
+  logits = logits.astype(_at_least_f32(logits.dtype))
   if bias_BNTL is not None:
     logits = logits + bias_BNTL
   logits = jnp.where(mask_BTL[:, None], logits, _NEG_INF)
@@ -406,7 +414,7 @@ class T5(base.ParamSpecs):
     buckets = relative_position_bucket(
         rel_pos, bidirectional=bidirectional, num_buckets=c.relative_attention_num_buckets,
         max_distance=c.relative_attention_max_distance)
-    bias = jnp.take(rel_embedding_NR.astype(jnp.float32), buckets, axis=1)  # [N, ..., T, L]
+    bias = jnp.take(rel_embedding_NR.astype(_at_least_f32(c.dtype)), buckets, axis=1)  # [N,...,T,L]
     return jnp.moveaxis(bias, 0, -3)
 
   # ---------------------------------------------------------------- encoder
@@ -607,7 +615,7 @@ class T5(base.ParamSpecs):
       logits = jnp.einsum("BTD,VD->BTV", x_BTD, kernel.astype(c.dtype)) / math.sqrt(c.emb_dim)
     else:
       logits = self._dense(x_BTD, kernel)
-    return logits.astype(jnp.float32)
+    return logits.astype(_at_least_f32(c.dtype))
 
   # ---------------------------------------------------------------- decoding layout
   def decode_params(self, params: Params) -> Params:
