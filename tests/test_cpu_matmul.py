@@ -365,6 +365,52 @@ def test_t5_logits_are_the_same_bits_at_every_width(pack_small, monkeypatch):
     np.testing.assert_array_equal(got, logits[8])
 
 
+def _has_dot():
+  return HAVE_COMPILER and cpu_matmul.available() and cpu_matmul.has_bfloat16_dot()
+
+
+@pytest.mark.skipif(not _has_dot(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_bfloat16_dot_products(m):
+  """Pairs of bfloat16 weights times activations rounded to bfloat16 (round to nearest
+  even), float32 sums: within float32 rounding of that product in float64, the same bits
+  at every width and row count."""
+  x, w = _operands(m, 512, 1030, seed=m)
+  p = cpu_matmul.pack(w, "bfloat16_dot")
+  assert p.pairs and p.panels.shape == (65, 256, 16, 2) and p.shape == (512, 1030)
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(p)), w)
+  got = np.asarray(jax.jit(cpu_matmul.matmul)(x, p))
+  x16 = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(got, x16 @ w.astype(np.float64), rtol=1e-5,
+                             atol=1e-5 * np.sqrt(512))
+  for width in cpu_matmul.widths():
+    np.testing.assert_array_equal(cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n,
+                                                        width), got)
+  if m > 1:
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul)(x[1:2], p))[0], got[1])
+  with pytest.raises(ValueError, match="even K"):
+    cpu_matmul.pack(w[:511], "bfloat16_dot")
+
+
+@needs_kernel
+def test_t5_bfloat16_dot_weights(pack_small):
+  model, params = _mini()
+  dot = t5.T5(model.config, kernel_weights="bfloat16_dot")
+  if not cpu_matmul.has_bfloat16_dot():
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16"):
+      dot.decode_params(params)
+    return
+  packed = dot.decode_params(params)
+  assert packed["decoder"]["layers_0"]["mlp"]["wo"]["kernel"].pairs
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
+  got = np.asarray(dot.forward(packed, enc, dec))
+  ref = np.asarray(model.forward(params, enc, dec))
+  # bfloat16 activations: errors of bfloat16's 8-bit mantissa, compounded over the layers
+  np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max())
+  assert np.abs(got - ref).max() > 0  # a different function than the float32 model
+
+
 @needs_kernel
 def test_describe_names_the_cpu_and_the_variants():
   info = cpu_matmul.describe()

@@ -39,6 +39,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -74,27 +78,44 @@ template <typename V, typename T> struct Widen;
 template <typename V> struct Widen<V, float> {
   static V Load(const float* p) { return Bits<V>(p); }
 };
+// bfloat16 -> float32 is the 16 bits shifted up; int8 -> float32 is a sign extension and a
+// conversion. With AVX2 / AVX-512 each is one widening load and one shift or convert.
 template <> struct Widen<f32x8, uint16_t> {
   static f32x8 Load(const uint16_t* p) {
+#ifdef __AVX2__
+    const __m256i w = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+    return Bits<f32x8>(&w);
+#else
     u32x8 w = __builtin_convertvector(Bits<u16x8>(p), u32x8) << 16;
     return Bits<f32x8>(&w);
+#endif
   }
 };
 template <> struct Widen<f32x8, int8_t> {
   static f32x8 Load(const int8_t* p) {
+#ifdef __AVX2__
+    const __m256 w = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return Bits<f32x8>(&w);
+#else
     return __builtin_convertvector(__builtin_convertvector(Bits<i8x8>(p), i32x8), f32x8);
+#endif
   }
 };
 #ifdef __AVX512F__
 template <> struct Widen<f32x16, uint16_t> {
   static f32x16 Load(const uint16_t* p) {
-    u32x16 w = __builtin_convertvector(Bits<u16x16>(p), u32x16) << 16;
+    const __m512i w = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
     return Bits<f32x16>(&w);
   }
 };
 template <> struct Widen<f32x16, int8_t> {
   static f32x16 Load(const int8_t* p) {
-    return __builtin_convertvector(__builtin_convertvector(Bits<i8x16>(p), i32x16), f32x16);
+    const __m512 w = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return Bits<f32x16>(&w);
   }
 };
 #endif
@@ -105,8 +126,12 @@ struct Problem {
   const T* panels;
   const float* scales;  // [16 P] for int8 weights, else null
   float* y;
-  int64_t M, K, N;
+  int64_t M, K, N;      // for `Pair` panels K counts pairs of k
+  const uint32_t* xpairs = nullptr;  // for `Pair` panels: x in bfloat16, two k per word
 };
+
+// A bfloat16 dot-product panel entry: W[2 kk, n] and W[2 kk + 1, n] side by side.
+struct Pair { uint16_t v[2]; };
 
 // R rows of x (row stride K) times P adjacent panels [K, 16] starting at panel j -> y rows
 // (stride N), the first `cols` (<= 16 P) columns. Few rows take several panels at once so
@@ -211,6 +236,112 @@ void Range(const Problem<T>& p, int64_t width, int64_t j0, int64_t j1) {
   Panels(kBlocks8<T>, p, j0, j1);
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 dot products (AVX512-BF16): x and W both in bfloat16, each step adds
+// x[2 kk] W[2 kk, n] + x[2 kk + 1] W[2 kk + 1, n] to a float32 accumulator (VDPBF16PS:
+// round to nearest even, denormals flushed), kk in order: twice the multiply-adds of a
+// float32 FMA per instruction, the same bits for every row count and both widths.
+template <int R, int P>
+void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
+  const int64_t K2 = p.K;
+  const uint32_t* x = p.xpairs + m * K2;
+  const Pair* panels = p.panels + j * K2 * kPanel;
+  const int64_t ahead_k = kPrefetchBytes / (kPanel * sizeof(Pair));
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh w[P];
+    const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
+    for (int q = 0; q < P; ++q) {
+      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      w[q] = (__m512bh)_mm512_loadu_si512(panels + (q * K2 + kk) * kPanel);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K2 + kk]);
+      for (int q = 0; q < P; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xv, w[q]);
+    }
+  }
+  float* y = p.y + m * p.N + j * kPanel;
+  for (int r = 0; r < R; ++r) {
+    float tmp[kPanel * P];
+    for (int q = 0; q < P; ++q) _mm512_storeu_ps(tmp + kPanel * q, acc[r][q]);
+    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
+  }
+}
+
+template <int R, int P>
+void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
+  const int64_t K2 = p.K;
+  const uint32_t* x = p.xpairs + m * K2;
+  const Pair* panels = p.panels + j * K2 * kPanel;
+  const int64_t ahead_k = kPrefetchBytes / (kPanel * sizeof(Pair));
+  __m256 acc[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 2 * P; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m256bh w[2 * P];
+    const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
+    for (int q = 0; q < P; ++q) {
+      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      const Pair* row = panels + (q * K2 + kk) * kPanel;
+      w[2 * q] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      w[2 * q + 1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256bh xv = (__m256bh)_mm256_set1_epi32(x[r * K2 + kk]);
+      for (int b = 0; b < 2 * P; ++b) acc[r][b] = _mm256_dpbf16_ps(acc[r][b], xv, w[b]);
+    }
+  }
+  float* y = p.y + m * p.N + j * kPanel;
+  for (int r = 0; r < R; ++r) {
+    float tmp[kPanel * P];
+    for (int b = 0; b < 2 * P; ++b) _mm256_storeu_ps(tmp + 8 * b, acc[r][b]);
+    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
+  }
+}
+
+const Blocks<__m512, Pair> kDotBlocks16 = {
+    {0, 4, 4, 4, 4, 4, 4},
+    {nullptr, DotBlock16<1, 4>, DotBlock16<2, 4>, DotBlock16<3, 4>, DotBlock16<4, 4>,
+     DotBlock16<5, 4>, DotBlock16<6, 4>},
+    {nullptr, DotBlock16<1, 1>, DotBlock16<2, 1>, DotBlock16<3, 1>, DotBlock16<4, 1>,
+     DotBlock16<5, 1>, DotBlock16<6, 1>}};
+const Blocks<__m256, Pair> kDotBlocks8 = {
+    {0, 4, 2, 2, 1, 1, 1},
+    {nullptr, DotBlock8<1, 4>, DotBlock8<2, 2>, DotBlock8<3, 2>, DotBlock8<4, 1>,
+     DotBlock8<5, 1>, DotBlock8<6, 1>},
+    {nullptr, DotBlock8<1, 1>, DotBlock8<2, 1>, DotBlock8<3, 1>, DotBlock8<4, 1>,
+     DotBlock8<5, 1>, DotBlock8<6, 1>}};
+
+template <>
+void Range<Pair>(const Problem<Pair>& p, int64_t width, int64_t j0, int64_t j1) {
+  if (width == 16) return Panels(kDotBlocks16, p, j0, j1);
+  Panels(kDotBlocks8, p, j0, j1);
+}
+
+constexpr bool kHaveDot = true;
+#else
+constexpr bool kHaveDot = false;
+#endif
+
+// float32 -> bfloat16, round to nearest even (NaN stays NaN).
+inline uint16_t RoundToBf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+// x [M, 2 K2] float32 -> [M, K2] words of two bfloat16 (k = 2 kk in the low half).
+std::vector<uint32_t> PairRows(const float* x, int64_t M, int64_t K2) {
+  std::vector<uint32_t> out(M * K2);
+  for (int64_t i = 0; i < M * K2; ++i)
+    out[i] = uint32_t{RoundToBf16(x[2 * i])} | uint32_t{RoundToBf16(x[2 * i + 1])} << 16;
+  return out;
+}
+
 template <typename T>
 struct Shared {
   Problem<T> problem;
@@ -255,10 +386,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel)
-    return ffi::Error::InvalidArgument("small_m_matmul: want x [M, K], panels [P, K, 16], y [M, N]");
+  const bool pairs = pd.size() == 4;  // bfloat16 dot products: [P, K / 2, 16, 2]
+  if (xd.size() != 2 || yd.size() != 2 || pd.size() < 3 || pd[2] != kPanel ||
+      (pairs ? pd[3] != 2 : pd.size() != 3))
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul: want x [M, K], panels [P, K, 16] or [P, K / 2, 16, 2], y [M, N]");
   const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (pd[1] != K || yd[0] != M || N > pd[0] * kPanel || N <= (pd[0] - 1) * kPanel)
+  if (pd[1] * (pairs ? 2 : 1) != K || yd[0] != M || N > pd[0] * kPanel ||
+      N <= (pd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument("small_m_matmul: shapes of x, panels and y disagree");
   if (!HaveWidth(width))
     return ffi::Error::InvalidArgument("small_m_matmul: vector width not built for this CPU");
@@ -269,7 +404,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   const auto type = panels.element_type();
   const void* w = panels.untyped_data();
   float* out = y->typed_data();
-  if (type == ffi::DataType::F32 && scales == nullptr) {
+  if (pairs) {
+    if (type != ffi::DataType::BF16 || scales != nullptr || !kHaveDot)
+      return ffi::Error::InvalidArgument(
+          "small_m_matmul: pair panels need bfloat16 weights and a CPU with AVX512-BF16");
+    const std::vector<uint32_t> xp = PairRows(x.typed_data(), M, K / 2);
+    Problem<Pair> problem{nullptr, static_cast<const Pair*>(w), nullptr, out, M, K / 2, N};
+    problem.xpairs = xp.data();
+    Run(problem, width, num_panels, helpers, &pool);
+  } else if (type == ffi::DataType::F32 && scales == nullptr) {
     Run(Problem<float>{x.typed_data(), static_cast<const float*>(w), nullptr, out, M, K, N},
         width, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::BF16 && scales == nullptr) {
@@ -348,7 +491,8 @@ int64_t spec_decode_widths() {
 }
 
 // The kernel's products on raw pointers in the calling thread. dtype: 0 float32,
-// 1 bfloat16, 2 int8 (scales [16 P]). Returns 0, or -1 for a width or dtype it lacks.
+// 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot products; K even). Returns 0,
+// or -1 for a width or dtype it lacks.
 int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
                        int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t width) {
   if (!HaveWidth(width)) return -1;
@@ -362,11 +506,19 @@ int spec_decode_matmul(const float* x, const void* panels, const float* scales, 
   } else if (dtype == 2 && scales != nullptr) {
     Run(Problem<int8_t>{x, static_cast<const int8_t*>(panels), scales, y, M, K, N}, width,
         num_panels, 0, nullptr);
+  } else if (dtype == 3 && kHaveDot && K % 2 == 0) {
+    const std::vector<uint32_t> xp = PairRows(x, M, K / 2);
+    Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
+    problem.xpairs = xp.data();
+    Run(problem, width, num_panels, 0, nullptr);
   } else {
     return -1;
   }
   return 0;
 }
+
+// Whether the bfloat16 dot-product variant (AVX512-BF16) is built.
+int spec_decode_has_bf16_dot() { return kHaveDot ? 1 : 0; }
 
 // GB/s reading `bytes` bytes of `buffer` (64-byte aligned length) `passes` times with
 // `threads` threads, each reading its own contiguous share with 32-byte loads.

@@ -78,7 +78,7 @@ ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
 ENV_CACHE = "SPEC_DECODE_KERNEL_CACHE"
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"
 ENV_WIDTH = "SPEC_DECODE_CPU_KERNEL_WIDTH"
-WEIGHTS = ("auto", "float32", "bfloat16", "int8")
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "bfloat16_dot")
 _DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.int8): 2}
 
 
@@ -86,14 +86,20 @@ _DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dty
 class PackedKernel:
   """A weight matrix W [K, N] as column panels [ceil(N / 16), K, 16] (zero-padded) of
   float32, bfloat16 or int8; int8 panels have `scales` [16 ceil(N / 16)] (W = q * scale
-  per column), the others None."""
+  per column), the others None. For bfloat16 dot products (`pack(weights='bfloat16_dot')`)
+  the panels are [ceil(N / 16), K / 2, 16, 2]: W[2 kk, n] and W[2 kk + 1, n] side by side."""
   panels: jax.Array
   scales: jax.Array | None = None
   n: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def shape(self) -> tuple[int, int]:
-    return (self.panels.shape[1], self.n)
+    return (self.panels.shape[1] * (2 if self.pairs else 1), self.n)
+
+  @property
+  def pairs(self) -> bool:
+    """Whether the panels hold bfloat16 pairs for dot products (x rounded to bfloat16)."""
+    return self.panels.ndim == 4
 
   @property
   def dtype(self):
@@ -117,8 +123,11 @@ def pack(kernel, weights: str = "float32") -> PackedKernel:
   """W [K, N] (float32 or bfloat16) -> PackedKernel (one copy of the weights, made once).
 
   weights: 'float32'; 'bfloat16' (rounds float32 values to bfloat16, exact for values that
-  are bfloat16 already); 'int8' (symmetric per column: scale = max |W[:, n]| / 127); 'auto'
-  is 'bfloat16' when every value is a bfloat16 value, else 'float32' (it needs concrete
+  are bfloat16 already; products stay float32 x float32); 'int8' (symmetric per column:
+  scale = max |W[:, n]| / 127); 'bfloat16_dot' (bfloat16 weights in pairs of k for the
+  AVX512-BF16 dot product, which rounds the activations to bfloat16 too: a different
+  function, twice the multiply-adds per instruction; K must be even); 'auto' is
+  'bfloat16' when every value is a bfloat16 value, else 'float32' (it needs concrete
   values: decide outside jit with `bfloat16_exact`)."""
   kernel = jnp.asarray(kernel)
   if kernel.ndim != 2 or kernel.dtype not in (jnp.float32, jnp.bfloat16):
@@ -129,21 +138,30 @@ def pack(kernel, weights: str = "float32") -> PackedKernel:
   if weights == "auto":
     weights = "bfloat16" if bool(bfloat16_exact(kernel)) else "float32"
   K, N = kernel.shape
+  P = -(-N // PANEL)
   if weights == "int8":
     w = kernel.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w), axis=0) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
     q = jnp.clip(jnp.round(w / scale), -127, 127)
-    P = -(-N // PANEL)
     return PackedKernel(panels=_panels(q, jnp.int8),
                         scales=jnp.pad(scale, (0, P * PANEL - N), constant_values=1.0), n=N)
+  if weights == "bfloat16_dot":
+    if K % 2:
+      raise ValueError(f"pack: bfloat16_dot needs an even K, got [K, N] = {kernel.shape}")
+    panels = _panels(kernel, jnp.bfloat16)  # [P, K, 16] -> [P, K / 2, 16, 2]
+    return PackedKernel(panels=jnp.swapaxes(panels.reshape(P, K // 2, 2, PANEL), 2, 3), n=N)
   return PackedKernel(panels=_panels(kernel, jnp.dtype(weights)), n=N)
 
 
 def unpack(packed: PackedKernel) -> jax.Array:
   """The float32 matrix [K, N] the kernel multiplies by (for int8: q * scale)."""
-  P, K, _ = packed.panels.shape
-  w = jnp.transpose(packed.panels, (1, 0, 2)).reshape(K, P * PANEL).astype(jnp.float32)
+  panels = packed.panels
+  if packed.pairs:
+    P, K2 = panels.shape[:2]
+    panels = jnp.swapaxes(panels, 2, 3).reshape(P, 2 * K2, PANEL)
+  P, K, _ = panels.shape
+  w = jnp.transpose(panels, (1, 0, 2)).reshape(K, P * PANEL).astype(jnp.float32)
   if packed.scales is not None:
     w = w * packed.scales[None, :]
   return w[:, :packed.n]
@@ -173,7 +191,10 @@ def matmul(x, kernel: PackedKernel) -> jax.Array:
     raise ValueError(f"matmul: x has {x.shape[-1]} features, the kernel wants {K}")
   lead = x.shape[:-1]
   x2 = x.astype(jnp.float32).reshape(-1, K)
-  width = chosen_width(x2.shape[0], K, N, kernel.dtype)
+  if kernel.pairs and not has_bfloat16_dot():
+    raise RuntimeError(f"bfloat16_dot weights need a CPU with AVX512-BF16; "
+                       f"{cpu_info()['model']} has {cpu_info()['features']}")
+  width = chosen_width(x2.shape[0], K, N, kernel.dtype, kernel.pairs)
   out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
   attrs = dict(threads=np.int64(_threads()), width=np.int64(width))
   if kernel.scales is None:
@@ -262,6 +283,7 @@ def _register() -> str | None:
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
     lib.spec_decode_widths.restype = ctypes.c_int64
+    lib.spec_decode_has_bf16_dot.restype = ctypes.c_int
     lib.spec_decode_matmul.restype = ctypes.c_int
     lib.spec_decode_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.spec_decode_read_gbps.restype = ctypes.c_double
@@ -299,6 +321,11 @@ def widths() -> tuple[int, ...]:
   return tuple(w for w in (8, 16) if mask >> w & 1)
 
 
+def has_bfloat16_dot() -> bool:
+  """Whether the bfloat16 dot-product variant is built (the CPU has AVX512-BF16)."""
+  return bool(_library().spec_decode_has_bf16_dot())
+
+
 def _width_override() -> int | None:
   raw = os.environ.get(ENV_WIDTH, "").strip()
   if not raw:
@@ -311,25 +338,27 @@ def _width_override() -> int | None:
   return int(raw)
 
 
-def _random_operands(M: int, K: int, N: int, dtype) -> tuple[np.ndarray, ...]:
+def _random_operands(M: int, K: int, N: int, dtype, pairs: bool = False):
   rng = np.random.default_rng(0)
   P = -(-N // PANEL)
   x = rng.standard_normal((M, K)).astype(np.float32)
   if np.dtype(dtype) == np.int8:
     panels = rng.integers(-127, 128, (P, K, PANEL)).astype(np.int8)
   else:
-    panels = (rng.standard_normal((P, K, PANEL)) / np.sqrt(K)).astype(dtype)
+    shape = (P, K // 2, PANEL, 2) if pairs else (P, K, PANEL)
+    panels = (rng.standard_normal(shape) / np.sqrt(K)).astype(dtype)
   scales = np.ones(P * PANEL, np.float32)
   return x, panels, scales, np.zeros((M, N), np.float32)
 
 
 def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, width: int) -> np.ndarray:
   """The kernel's product on numpy arrays in this thread (no XLA): x [M, K] float32,
-  panels [P, K, 16] of float32/bfloat16/int8, scales [16 P] for int8 (else None)."""
+  panels [P, K, 16] of float32/bfloat16/int8 or bfloat16 pairs [P, K / 2, 16, 2], scales
+  [16 P] for int8 (else None)."""
   x = np.ascontiguousarray(x, np.float32)
   panels = np.ascontiguousarray(panels)
   y = np.zeros((x.shape[0], n), np.float32)
-  code = _DTYPE_CODES[panels.dtype]
+  code = 3 if panels.ndim == 4 else _DTYPE_CODES[panels.dtype]
   s = None if scales is None else np.ascontiguousarray(scales, np.float32)
   if _library().spec_decode_matmul(x.ctypes.data, panels.ctypes.data,
                                    None if s is None else s.ctypes.data, y.ctypes.data,
@@ -344,11 +373,11 @@ TUNE_STREAM_BYTES = 48 << 20
 
 
 def time_width(M: int, K: int, N: int, dtype, width: int, repeats: int = 3,
-               stream_bytes: int = TUNE_STREAM_BYTES) -> float:
+               stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
   """Seconds of one product [M, K] x [K, N] (weights of `dtype`) at `width` in this thread:
   the least, over `repeats` sweeps after one warm-up, of a sweep's time per product, a
   sweep multiplying by each of enough copies of the weights to fill `stream_bytes`."""
-  x, panels, scales, _ = _random_operands(M, K, N, dtype)
+  x, panels, scales, _ = _random_operands(M, K, N, dtype, pairs)
   scales = scales if np.dtype(dtype) == np.int8 else None
   copies = [panels] + [panels.copy() for _ in range(max(0, stream_bytes // panels.nbytes - 1))]
   best = float("inf")
@@ -369,7 +398,7 @@ def _tuning_path() -> Path:
 _CHOSEN: dict[str, int] = {}
 
 
-def chosen_width(M: int, K: int, N: int, dtype) -> int:
+def chosen_width(M: int, K: int, N: int, dtype, pairs: bool = False) -> int:
   """The vector width the kernel uses for M rows times [K, N] weights of `dtype` on this
   CPU: the override (SPEC_DECODE_CPU_KERNEL_WIDTH), else the faster width, measured once
   per CPU, weight shape and power-of-two bucket of M (`time_width`, at the bucket's top)
@@ -382,14 +411,14 @@ def chosen_width(M: int, K: int, N: int, dtype) -> int:
   if len(built) == 1:
     return built[0]
   rows = 1 << max(0, M - 1).bit_length()  # measured per power-of-two bucket of row counts
-  name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}"
+  name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}{'_dot' if pairs else ''}"
   if not _CHOSEN:
     try:
       _CHOSEN.update(json.loads(_tuning_path().read_text()))
     except (OSError, ValueError):
       pass
   if _CHOSEN.get(name) not in built:
-    times = {w: time_width(rows, K, N, dtype, w) for w in built}
+    times = {w: time_width(rows, K, N, dtype, w, pairs=pairs) for w in built}
     _CHOSEN[name] = min(built, key=times.__getitem__)
     _save_choices()
   return _CHOSEN[name]
@@ -419,6 +448,7 @@ def describe() -> dict[str, Any]:
   info["kernel"] = "off: " + reason if reason else "on"
   if reason is None:
     info["widths"] = list(widths())
+    info["bfloat16_dot"] = has_bfloat16_dot()
     info["width_override"] = os.environ.get(ENV_WIDTH) or None
     info["chosen_widths"] = dict(sorted(_CHOSEN.items()))
   return info

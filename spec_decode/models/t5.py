@@ -291,8 +291,10 @@ class T5(base.ParamSpecs):
   kernel_weights: how `decode_params` stores the weights it packs for the CPU decoding
     kernel: 'auto' (default: bfloat16 when every packed weight is a bfloat16 value, as
     for a checkpoint stored in bfloat16, which gives the float32 model's bits at half the
-    bytes; else float32), 'float32', 'bfloat16' (rounds float32 weights) or 'int8' (per
-    column scales). The last two change the model's function; see `cpu_matmul.pack`.
+    bytes; else float32), 'float32', 'bfloat16' (rounds float32 weights), 'int8' (per
+    column scales) or 'bfloat16_dot' (bfloat16 weights and activations in AVX512-BF16 dot
+    products, float32 sums: twice the multiply-adds per instruction, for compute-bound
+    batches). The last three change the model's function; see `cpu_matmul.pack`.
   """
   config: T5Config
   stream_params: bool = False
@@ -650,6 +652,10 @@ class T5(base.ParamSpecs):
 
   def _pack(self, params, threshold: int):
     weights = self.kernel_weights
+    if weights == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
+      info = cpu_matmul.cpu_info()
+      raise ValueError(f"T5.kernel_weights='bfloat16_dot' needs a CPU with AVX512-BF16; "
+                       f"this one ({info['model']}) has {', '.join(info['features'])}")
     if weights == "auto":
       weights = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
     return _pack_kernels(params, threshold=threshold, weights=weights)
