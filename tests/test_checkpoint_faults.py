@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import msgpack
 import numpy as np
 import pytest
 
@@ -274,7 +273,8 @@ ORBAX_FAULTS = {
     "corrupt sharding": (lambda s: _write(s / "_sharding", b"\x00zz"),
                          r"_sharding is corrupt, not valid JSON"),
     "missing manifest": (lambda s: os.remove(s / "manifest.ocdbt"),
-                         r"/.*/state/manifest.ocdbt is missing; the arrays' OCDBT store is incomplete"),
+                         r"/.*/state/manifest.ocdbt is missing; the arrays' OCDBT store is "
+                         r"incomplete"),
     "missing data directory": (lambda s: shutil.rmtree(s / "d"), r"/.*/state/d is missing"),
     "missing process directory": (lambda s: shutil.rmtree(s / "ocdbt.process_0"),
                                   r"/.*/state/ocdbt.process_0/manifest.ocdbt is missing"),

@@ -37,7 +37,7 @@ _GiB = 1024 ** 3
 
 
 def check_config_sizes(config: t5.T5Config, where: str) -> None:
-  """Refuses a config whose sizes exceed MAX_SIZES or whose epsilon is not a small positive number."""
+  """Refuses a config whose sizes exceed MAX_SIZES, or whose epsilon is not small and positive."""
   too_big = [f"{name} = {getattr(config, name)} (at most {limit})"
              for name, limit in MAX_SIZES.items() if getattr(config, name) > limit]
   if too_big:

@@ -136,8 +136,9 @@ def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context, *,
   full = f"target/{name}"
   resolved = resolve_spec(spec, ckpt_dir, allow_outside_paths=allow_outside_paths)
   where = resolved["kvstore"].get("path")
-  storage.check_links_inside(ckpt_dir, where, what=f"parameter {full}'s array directory",
-                             allow_outside=allow_outside_paths)
+  if not storage.is_gcs(ckpt_dir):  # (a gcs kvstore path is a key in the bucket)
+    storage.check_links_inside(ckpt_dir, where, what=f"parameter {full}'s array directory",
+                               allow_outside=allow_outside_paths)
   try:
     store = storage.wait(ts.open(resolved, open=True, read=True, context=context), ckpt_dir,
                          f"opening {full} of")
