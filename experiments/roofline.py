@@ -103,12 +103,12 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
       times = {n: step(model, tparams, n) for n in args.tokens}
       for n in args.tokens:
         rows_n = batch * n
-        width = _width_used(rows_n)
-        peak = peaks[width]
+        variant = _variant_used(rows_n)
+        peak = peaks[int(variant.rstrip("p"))]
         flops = 2.0 * macs * rows_n
         bound = max(nbytes / (bw * 1e9), flops / (peak * 1e9))
         rows.append({"weights": weights, "decoder_mib": nbytes / 2 ** 20, "batch": batch,
-                     "n": n, "rows": rows_n, "width": width, "t_ms": times[n] * 1e3,
+                     "n": n, "rows": rows_n, "variant": variant, "t_ms": times[n] * 1e3,
                      "t_p_ms": times[1] * 1e3, "t_q_ms": t_q * 1e3, "c": t_q / times[1],
                      "t_ratio": times[n] / times[1],
                      "gbps": nbytes / times[n] / 1e9, "gbps_frac": nbytes / times[n] / 1e9 / bw,
@@ -120,22 +120,27 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
               f"{r['gbps']:.1f} GB/s ({r['gbps_frac']:.2f}), {r['gflops']:.0f} GFLOP/s "
               f"({r['gflops_frac']:.2f}), {r['over_bound']:.2f}x the bound; T_q "
               f"{r['t_q_ms']:.3f} ms", flush=True)
-  machine["chosen_widths"] = cpu_matmul.describe().get("chosen_widths", {})
+  machine["chosen_variants"] = cpu_matmul.describe().get("chosen_variants", {})
   return machine, rows
 
 
-def _width_used(rows: int) -> int:
-  """The vector width the kernel used for most weight shapes at `rows` rows (the override,
-  or the tuner's choices so far)."""
+def cpu_matmul_variants() -> tuple[str, ...]:
+  from spec_decode.kernels import cpu_matmul
+  return cpu_matmul.variants()
+
+
+def _variant_used(rows: int) -> str:
+  """The kernel variant used for most weight shapes at `rows` rows (the override, or the
+  tuner's choices so far)."""
   import collections
   import os
   from spec_decode.kernels import cpu_matmul
-  if os.environ.get(cpu_matmul.ENV_WIDTH):
-    return int(os.environ[cpu_matmul.ENV_WIDTH])
+  if os.environ.get(cpu_matmul.ENV_VARIANT):
+    return os.environ[cpu_matmul.ENV_VARIANT]
   bucket = 1 << max(0, rows - 1).bit_length()
-  chosen = [w for key, w in cpu_matmul.describe().get("chosen_widths", {}).items()
+  chosen = [v for key, v in cpu_matmul.describe().get("chosen_variants", {}).items()
             if key.startswith(f"{bucket}x")]
-  return collections.Counter(chosen).most_common(1)[0][0] if chosen else min(cpu_matmul.widths())
+  return collections.Counter(chosen).most_common(1)[0][0] if chosen else "8"
 
 
 def parse_args(argv: Sequence[str]):
@@ -176,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   _common.finish_meta(meta)
   cols = [Column("weights", "kernel weights"), Column("decoder_mib", "decoder MiB",
                                                         lambda v: f"{v:.1f}"),
-          Column("batch", "batch"), Column("n", "N"), Column("width", "width"),
+          Column("batch", "batch"), Column("n", "N"), Column("variant", "variant"),
           Column("t_ms", "T_verify(N)", lambda v: f"{v:.3f} ms"),
           Column("t_ratio", "t(N)", lambda v: fmt(v, 2)),
           Column("gbps", "GB/s", lambda v: f"{v:.1f}"),
@@ -188,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("c", "c", lambda v: fmt(v, 3))]
   info = machine["cpu"]
   notes = [f"CPU: {info['model']}, features {', '.join(info['features']) or 'none listed'}; "
-           f"kernel widths built {info.get('widths')}; multiply-add peak "
+           f"kernel variants {', '.join(cpu_matmul_variants())}; multiply-add peak "
            + ", ".join(f"{w}-wide {g:.0f} GFLOP/s" for w, g in machine["fma_peak_gflops"].items())
            + "; read bandwidth at the decoder's size "
            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in machine["read_gbps"].items()) + ".",
@@ -198,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "bound = max(decoder bytes / read bandwidth, 2 x decoder multiply-adds x rows / peak "
            "at the width used); attention and the loop's own work are outside it, so "
            "'time / bound' >= 1 by their share.",
-           "width: the vector width the kernel chose for most weight shapes at that row count."]
+           "variant: the kernel variant (vector width, p = software prefetch) chosen for most "
+           "weight shapes at that row count."]
   stem = f"roofline_{cpu_family(info['model'])}" + (f"_{args.name}" if args.name else "")
   paths = _common.write_outputs(args.results_dir, stem,
                                 title=f"Decode step against the roofline ({info['model']})",

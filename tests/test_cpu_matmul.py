@@ -243,16 +243,16 @@ def _operands(m, k, n, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 5, 13, 40, 160])
-def test_bfloat16_panels_give_the_float32_bits_at_every_width(m):
+def test_bfloat16_panels_give_the_float32_bits_in_every_variant(m):
   x, w = _operands(m, 96, 200, seed=m)
   want = None
-  for width in cpu_matmul.widths():
+  for variant in cpu_matmul.variants():
     for weights in ("float32", "bfloat16"):
       p = cpu_matmul.pack(w, weights)
       assert p.dtype == jnp.dtype(weights)
-      got = cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n, width)
+      got = cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n, variant)
       want = got if want is None else want
-      np.testing.assert_array_equal(got, want, err_msg=f"width {width}, {weights}")
+      np.testing.assert_array_equal(got, want, err_msg=f"variant {variant}, {weights}")
   np.testing.assert_allclose(want, x.astype(np.float64) @ w.astype(np.float64),
                              rtol=1e-5, atol=1e-5 * np.sqrt(96))
 
@@ -266,11 +266,11 @@ def test_every_weight_type_through_xla_keeps_rows_independent(weights):
   for rows in (slice(0, 1), slice(3, 8), slice(7, 18)):
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul)(x[rows], p)),
                                   full[rows])
-  # the raw entry point (one thread, no XLA) computes the same bits at every width
-  for width in cpu_matmul.widths():
+  # the raw entry point (one thread, no XLA) computes the same bits in every variant
+  for variant in cpu_matmul.variants():
     np.testing.assert_array_equal(
         cpu_matmul.raw_matmul(x, np.asarray(p.panels),
-                              None if p.scales is None else np.asarray(p.scales), p.n, width),
+                              None if p.scales is None else np.asarray(p.scales), p.n, variant),
         full)
   # against float64 with the weights the kernel multiplies by (int8: q * scale)
   w_used = np.asarray(cpu_matmul.unpack(p), np.float64)
@@ -323,46 +323,55 @@ def test_t5_kernel_weights(pack_small):
 
 
 @needs_kernel
-def test_width_override_and_tuning_cache(tmp_path, monkeypatch):
+def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   monkeypatch.setenv(cpu_matmul.ENV_CACHE, str(tmp_path))
-  monkeypatch.delenv(cpu_matmul.ENV_WIDTH, raising=False)  # conftest fixes it for the suite
+  monkeypatch.delenv(cpu_matmul.ENV_VARIANT, raising=False)  # conftest fixes it for the suite
   monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
   monkeypatch.setattr(cpu_matmul, "TUNE_STREAM_BYTES", 1 << 20)
-  width = cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16)
-  assert width in cpu_matmul.widths()
-  if len(cpu_matmul.widths()) > 1:  # measured once, then read back from the cache file
-    saved = json.loads(next(tmp_path.glob("widths_*.json")).read_text())
-    assert saved == {"4x96x200:bfloat16": width}  # rows 3: the bucket of 3-4 rows
-    monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
-    monkeypatch.setattr(cpu_matmul, "time_width", None)  # a second measurement would fail
-    assert cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16) == width
-  monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "8")
-  assert cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16) == 8
-  monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "12")
-  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_WIDTH} must be 8 or 16"):
-    cpu_matmul.chosen_width(3, 96, 200, jnp.float32)
+  variant = cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16)
+  assert variant in cpu_matmul.variants()
+  # measured once, then read back from the cache file
+  saved = json.loads(next(tmp_path.glob("variants_*.json")).read_text())
+  assert saved == {"4x96x200:bfloat16": variant}  # rows 3: the bucket of 3-4 rows
+  monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
+  monkeypatch.setattr(cpu_matmul, "time_variant", None)  # a second measurement would fail
+  assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == variant
+  monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "8")
+  assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == "8"
+  monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "12")
+  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_VARIANT} must be 8, 8p, 16 or 16p"):
+    cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
   if 16 not in cpu_matmul.widths():
-    monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "16")
-    with pytest.raises(ValueError, match="widths"):
-      cpu_matmul.chosen_width(3, 96, 200, jnp.float32)
+    monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "16p")
+    with pytest.raises(ValueError, match="has variants"):
+      cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
 
 
 @needs_kernel
-def test_t5_logits_are_the_same_bits_at_every_width(pack_small, monkeypatch):
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_time_variant_measures_every_variant(weights):
+  dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}[weights]
+  for variant in cpu_matmul.variants():
+    assert 0 < cpu_matmul.time_variant(2, 64, 48, dtype, variant, repeats=1,
+                                       stream_bytes=1 << 16) < 1
+
+
+@needs_kernel
+def test_t5_logits_are_the_same_bits_in_every_variant(pack_small, monkeypatch):
   model, params = _mini()
   stored = model.decode_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
                                             params))
   enc = jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 100)
   dec = jax.random.randint(jax.random.PRNGKey(2), (3, 6), 2, 100)
   logits = {}
-  for width in cpu_matmul.widths():
-    monkeypatch.setenv(cpu_matmul.ENV_WIDTH, str(width))
-    jax.clear_caches()  # the width is fixed when a product is traced
+  for variant in cpu_matmul.variants():
+    monkeypatch.setenv(cpu_matmul.ENV_VARIANT, variant)
+    jax.clear_caches()  # the variant is fixed when a product is traced
     hlo = jax.jit(lambda p: model.forward(p, enc, dec)).lower(stored).as_text()
-    assert f"width = {width}" in hlo
-    logits[width] = np.asarray(model.forward(stored, enc, dec))
+    assert f"variant = {cpu_matmul._variant_code(variant)} : i64" in hlo
+    logits[variant] = np.asarray(model.forward(stored, enc, dec))
   for got in logits.values():
-    np.testing.assert_array_equal(got, logits[8])
+    np.testing.assert_array_equal(got, logits["8"])
 
 
 def _has_dot():
@@ -374,7 +383,7 @@ def _has_dot():
 def test_bfloat16_dot_products(m):
   """Pairs of bfloat16 weights times activations rounded to bfloat16 (round to nearest
   even), float32 sums: within float32 rounding of that product in float64, the same bits
-  at every width and row count."""
+  in every variant and at every row count."""
   x, w = _operands(m, 512, 1030, seed=m)
   p = cpu_matmul.pack(w, "bfloat16_dot")
   assert p.pairs and p.panels.shape == (65, 256, 16, 2) and p.shape == (512, 1030)
@@ -383,9 +392,9 @@ def test_bfloat16_dot_products(m):
   x16 = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
   np.testing.assert_allclose(got, x16 @ w.astype(np.float64), rtol=1e-5,
                              atol=1e-5 * np.sqrt(512))
-  for width in cpu_matmul.widths():
+  for variant in cpu_matmul.variants():
     np.testing.assert_array_equal(cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n,
-                                                        width), got)
+                                                        variant), got)
   if m > 1:
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul)(x[1:2], p))[0], got[1])
   with pytest.raises(ValueError, match="even K"):
@@ -415,6 +424,7 @@ def test_t5_bfloat16_dot_weights(pack_small):
 def test_describe_names_the_cpu_and_the_variants():
   info = cpu_matmul.describe()
   assert info["kernel"] == "on" and info["model"] and 8 in info["widths"]
+  assert set(info["chosen_variants"].values()) <= set(cpu_matmul.variants())
   assert ("avx512f" in info["features"]) == (16 in info["widths"]) or not info["features"]
   assert cpu_matmul.read_bandwidth(1 << 20, threads=1, passes=2) > 0
   assert cpu_matmul.fma_peak(8, threads=1, iters=10_000) > 0

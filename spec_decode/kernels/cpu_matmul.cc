@@ -8,10 +8,13 @@
 // once, at bandwidth, however many rows there are, and a group of panels is reused
 // from cache for every block of rows.
 //
-// Variants, by vector width (chosen per weight shape by the caller, `width`):
+// Variants (chosen per weight shape and row count by the caller, `variant`):
 //   8: 8-wide vectors, up to 6 rows x 2 vectors per block (16 registers: AVX2 + FMA);
-//  16: 16-wide vectors, up to 6 rows x 4 panels per block (32 registers: AVX-512),
-//      built only when the compiler targets AVX-512F (the host's -march=native).
+//  16: 16-wide vectors, up to 6 rows x 4 panels or 12 rows x 2 panels per block (32
+//      registers: AVX-512), built only when the compiler targets AVX-512F (the host's
+//      -march=native);
+// each with or without software prefetch of the panels ahead of the hardware prefetcher.
+// With AVX512-BF16, bfloat16 weights can also run as dot products (see DotBlock16).
 // bfloat16 and int8 weights are widened to float32 in registers (exactly), so a
 // bfloat16 matrix gives the bits of its float32 copy at half the bytes read.
 //
@@ -51,7 +54,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kPrefetchBytes = 2048;  // ahead of the hardware prefetcher, per panel
-constexpr int kRowBlock = 6;
+constexpr int kMaxRowBlock = 12;  // rows per block: up to 6 (16 registers), 12 (32)
 constexpr int kGroup = 4;  // panels read from memory once per row sweep
 
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -137,7 +140,7 @@ struct Pair { uint16_t v[2]; };
 // (stride N), the first `cols` (<= 16 P) columns. Few rows take several panels at once so
 // that enough independent accumulator chains cover the FMA latency; the order of the sum
 // over k is the same for every P, R and vector width.
-template <typename V, typename T, int R, int P>
+template <typename V, typename T, int R, int P, bool PF>
 void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
   constexpr int B = kPanel / Lanes<V>();  // vectors per panel row
   const int64_t K = p.K;
@@ -151,7 +154,7 @@ void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
     V w[P * B];
     const int64_t ahead = std::min(k + ahead_k, K - 1);
     for (int q = 0; q < P; ++q) {
-      __builtin_prefetch(panels + (q * K + ahead) * kPanel);
+      if constexpr (PF) __builtin_prefetch(panels + (q * K + ahead) * kPanel);
       for (int b = 0; b < B; ++b)
         w[q * B + b] = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
     }
@@ -177,30 +180,39 @@ void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
 template <typename T>
 using BlockFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
 
-// Blocks by rows (1..kRowBlock): how many panels at once, and that block; every width also
+// Blocks by rows (1..max_rows): how many panels at once, and that block; every width also
 // has single-panel blocks for a group's last panels.
 template <typename V, typename T>
 struct Blocks {
-  int panels[kRowBlock + 1];
-  BlockFn<T> wide[kRowBlock + 1];
-  BlockFn<T> single[kRowBlock + 1];
+  int max_rows;
+  int panels[kMaxRowBlock + 1];
+  BlockFn<T> wide[kMaxRowBlock + 1];
+  BlockFn<T> single[kMaxRowBlock + 1];
 };
 
-template <typename T>
+template <typename T, bool PF>
 constexpr Blocks<f32x8, T> kBlocks8 = {
-    {0, 4, 2, 2, 1, 1, 1},  // 16 registers: at least 8 accumulator chains, at most 12
-    {nullptr, Block<f32x8, T, 1, 4>, Block<f32x8, T, 2, 2>, Block<f32x8, T, 3, 2>,
-     Block<f32x8, T, 4, 1>, Block<f32x8, T, 5, 1>, Block<f32x8, T, 6, 1>},
-    {nullptr, Block<f32x8, T, 1, 1>, Block<f32x8, T, 2, 1>, Block<f32x8, T, 3, 1>,
-     Block<f32x8, T, 4, 1>, Block<f32x8, T, 5, 1>, Block<f32x8, T, 6, 1>}};
+    6,  // 16 registers: at least 8 accumulator chains, at most 12
+    {0, 4, 2, 2, 1, 1, 1},
+    {nullptr, Block<f32x8, T, 1, 4, PF>, Block<f32x8, T, 2, 2, PF>, Block<f32x8, T, 3, 2, PF>,
+     Block<f32x8, T, 4, 1, PF>, Block<f32x8, T, 5, 1, PF>, Block<f32x8, T, 6, 1, PF>},
+    {nullptr, Block<f32x8, T, 1, 1, PF>, Block<f32x8, T, 2, 1, PF>, Block<f32x8, T, 3, 1, PF>,
+     Block<f32x8, T, 4, 1, PF>, Block<f32x8, T, 5, 1, PF>, Block<f32x8, T, 6, 1, PF>}};
 #ifdef __AVX512F__
-template <typename T>
+template <typename T, bool PF>
 constexpr Blocks<f32x16, T> kBlocks16 = {
-    {0, 4, 4, 4, 4, 4, 4},  // 32 registers: up to 24 accumulators, 4 weight vectors
-    {nullptr, Block<f32x16, T, 1, 4>, Block<f32x16, T, 2, 4>, Block<f32x16, T, 3, 4>,
-     Block<f32x16, T, 4, 4>, Block<f32x16, T, 5, 4>, Block<f32x16, T, 6, 4>},
-    {nullptr, Block<f32x16, T, 1, 1>, Block<f32x16, T, 2, 1>, Block<f32x16, T, 3, 1>,
-     Block<f32x16, T, 4, 1>, Block<f32x16, T, 5, 1>, Block<f32x16, T, 6, 1>}};
+    12,  // 32 registers: up to 24 accumulators (6 rows x 4 panels, 12 x 2)
+    {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
+    {nullptr, Block<f32x16, T, 1, 4, PF>, Block<f32x16, T, 2, 4, PF>,
+     Block<f32x16, T, 3, 4, PF>, Block<f32x16, T, 4, 4, PF>, Block<f32x16, T, 5, 4, PF>,
+     Block<f32x16, T, 6, 4, PF>, Block<f32x16, T, 7, 2, PF>, Block<f32x16, T, 8, 2, PF>,
+     Block<f32x16, T, 9, 2, PF>, Block<f32x16, T, 10, 2, PF>, Block<f32x16, T, 11, 2, PF>,
+     Block<f32x16, T, 12, 2, PF>},
+    {nullptr, Block<f32x16, T, 1, 1, PF>, Block<f32x16, T, 2, 1, PF>,
+     Block<f32x16, T, 3, 1, PF>, Block<f32x16, T, 4, 1, PF>, Block<f32x16, T, 5, 1, PF>,
+     Block<f32x16, T, 6, 1, PF>, Block<f32x16, T, 7, 1, PF>, Block<f32x16, T, 8, 1, PF>,
+     Block<f32x16, T, 9, 1, PF>, Block<f32x16, T, 10, 1, PF>, Block<f32x16, T, 11, 1, PF>,
+     Block<f32x16, T, 12, 1, PF>}};
 #endif
 
 // Panels [j0, j1) for every row block; a group of kGroup panels is read from memory once
@@ -209,17 +221,30 @@ template <typename V, typename T>
 void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1) {
   for (int64_t g = j0; g < j1; g += kGroup) {
     const int64_t g1 = std::min(j1, g + kGroup);
-    for (int64_t m = 0; m < p.M; m += kRowBlock) {
-      const int64_t rows = std::min<int64_t>(kRowBlock, p.M - m);
+    // Rows in blocks of at most max_rows, as even as possible (8 rows of 6: 4 + 4, not
+    // 6 + 2: a small last block does as many weight loads as a full one for fewer products).
+    const int64_t row_blocks = (p.M + blocks.max_rows - 1) / blocks.max_rows;
+    for (int64_t b = 0, m = 0; b < row_blocks; ++b) {
+      const int64_t rows = p.M / row_blocks + (b < p.M % row_blocks ? 1 : 0);
       for (int64_t j = g; j < g1;) {
         const int64_t take = blocks.panels[rows] <= g1 - j ? blocks.panels[rows] : 1;
         const BlockFn<T> fn = take == 1 ? blocks.single[rows] : blocks.wide[rows];
         fn(p, m, j, std::min(kPanel * take, p.N - j * kPanel));
         j += take;
       }
+      m += rows;
     }
   }
 }
+
+// A variant: the vector width (8 or 16 floats) and whether blocks prefetch their panels
+// ahead of the hardware prefetcher (which helps on some CPUs and costs on others). Every
+// variant computes the same bits. Passed as one int: 2 x width + prefetch.
+struct Variant {
+  int64_t width;
+  bool prefetch;
+  static Variant Of(int64_t code) { return {code / 2, (code & 1) != 0}; }
+};
 
 bool HaveWidth(int64_t width) {
 #ifdef __AVX512F__
@@ -229,11 +254,14 @@ bool HaveWidth(int64_t width) {
 }
 
 template <typename T>
-void Range(const Problem<T>& p, int64_t width, int64_t j0, int64_t j1) {
+void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
 #ifdef __AVX512F__
-  if (width == 16) return Panels(kBlocks16<T>, p, j0, j1);
+  if (v.width == 16) {
+    return v.prefetch ? Panels(kBlocks16<T, true>, p, j0, j1)
+                      : Panels(kBlocks16<T, false>, p, j0, j1);
+  }
 #endif
-  Panels(kBlocks8<T>, p, j0, j1);
+  return v.prefetch ? Panels(kBlocks8<T, true>, p, j0, j1) : Panels(kBlocks8<T, false>, p, j0, j1);
 }
 
 #ifdef __AVX512BF16__
@@ -241,7 +269,7 @@ void Range(const Problem<T>& p, int64_t width, int64_t j0, int64_t j1) {
 // x[2 kk] W[2 kk, n] + x[2 kk + 1] W[2 kk + 1, n] to a float32 accumulator (VDPBF16PS:
 // round to nearest even, denormals flushed), kk in order: twice the multiply-adds of a
 // float32 FMA per instruction, the same bits for every row count and both widths.
-template <int R, int P>
+template <int R, int P, bool PF>
 void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   const int64_t K2 = p.K;
   const uint32_t* x = p.xpairs + m * K2;
@@ -254,7 +282,7 @@ void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
     __m512bh w[P];
     const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
     for (int q = 0; q < P; ++q) {
-      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      if constexpr (PF) __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
       w[q] = (__m512bh)_mm512_loadu_si512(panels + (q * K2 + kk) * kPanel);
     }
     for (int r = 0; r < R; ++r) {
@@ -270,7 +298,7 @@ void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   }
 }
 
-template <int R, int P>
+template <int R, int P, bool PF>
 void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   const int64_t K2 = p.K;
   const uint32_t* x = p.xpairs + m * K2;
@@ -283,7 +311,7 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
     __m256bh w[2 * P];
     const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
     for (int q = 0; q < P; ++q) {
-      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      if constexpr (PF) __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
       const Pair* row = panels + (q * K2 + kk) * kPanel;
       w[2 * q] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
       w[2 * q + 1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8));
@@ -301,23 +329,34 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   }
 }
 
+template <bool PF>
 const Blocks<__m512, Pair> kDotBlocks16 = {
-    {0, 4, 4, 4, 4, 4, 4},
-    {nullptr, DotBlock16<1, 4>, DotBlock16<2, 4>, DotBlock16<3, 4>, DotBlock16<4, 4>,
-     DotBlock16<5, 4>, DotBlock16<6, 4>},
-    {nullptr, DotBlock16<1, 1>, DotBlock16<2, 1>, DotBlock16<3, 1>, DotBlock16<4, 1>,
-     DotBlock16<5, 1>, DotBlock16<6, 1>}};
+    12,
+    {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
+    {nullptr, DotBlock16<1, 4, PF>, DotBlock16<2, 4, PF>, DotBlock16<3, 4, PF>,
+     DotBlock16<4, 4, PF>, DotBlock16<5, 4, PF>, DotBlock16<6, 4, PF>, DotBlock16<7, 2, PF>,
+     DotBlock16<8, 2, PF>, DotBlock16<9, 2, PF>, DotBlock16<10, 2, PF>, DotBlock16<11, 2, PF>,
+     DotBlock16<12, 2, PF>},
+    {nullptr, DotBlock16<1, 1, PF>, DotBlock16<2, 1, PF>, DotBlock16<3, 1, PF>,
+     DotBlock16<4, 1, PF>, DotBlock16<5, 1, PF>, DotBlock16<6, 1, PF>, DotBlock16<7, 1, PF>,
+     DotBlock16<8, 1, PF>, DotBlock16<9, 1, PF>, DotBlock16<10, 1, PF>, DotBlock16<11, 1, PF>,
+     DotBlock16<12, 1, PF>}};
+template <bool PF>
 const Blocks<__m256, Pair> kDotBlocks8 = {
+    6,
     {0, 4, 2, 2, 1, 1, 1},
-    {nullptr, DotBlock8<1, 4>, DotBlock8<2, 2>, DotBlock8<3, 2>, DotBlock8<4, 1>,
-     DotBlock8<5, 1>, DotBlock8<6, 1>},
-    {nullptr, DotBlock8<1, 1>, DotBlock8<2, 1>, DotBlock8<3, 1>, DotBlock8<4, 1>,
-     DotBlock8<5, 1>, DotBlock8<6, 1>}};
+    {nullptr, DotBlock8<1, 4, PF>, DotBlock8<2, 2, PF>, DotBlock8<3, 2, PF>, DotBlock8<4, 1, PF>,
+     DotBlock8<5, 1, PF>, DotBlock8<6, 1, PF>},
+    {nullptr, DotBlock8<1, 1, PF>, DotBlock8<2, 1, PF>, DotBlock8<3, 1, PF>, DotBlock8<4, 1, PF>,
+     DotBlock8<5, 1, PF>, DotBlock8<6, 1, PF>}};
 
 template <>
-void Range<Pair>(const Problem<Pair>& p, int64_t width, int64_t j0, int64_t j1) {
-  if (width == 16) return Panels(kDotBlocks16, p, j0, j1);
-  Panels(kDotBlocks8, p, j0, j1);
+void Range<Pair>(const Problem<Pair>& p, Variant v, int64_t j0, int64_t j1) {
+  if (v.width == 16) {
+    return v.prefetch ? Panels(kDotBlocks16<true>, p, j0, j1)
+                      : Panels(kDotBlocks16<false>, p, j0, j1);
+  }
+  return v.prefetch ? Panels(kDotBlocks8<true>, p, j0, j1) : Panels(kDotBlocks8<false>, p, j0, j1);
 }
 
 constexpr bool kHaveDot = true;
@@ -345,28 +384,29 @@ std::vector<uint32_t> PairRows(const float* x, int64_t M, int64_t K2) {
 template <typename T>
 struct Shared {
   Problem<T> problem;
-  int64_t width, num_panels, chunk;
+  Variant variant;
+  int64_t num_panels, chunk;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
   void Work() {
     for (;;) {
       const int64_t j0 = next.fetch_add(chunk);
       if (j0 >= num_panels) return;
-      Range(problem, width, j0, std::min(num_panels, j0 + chunk));
+      Range(problem, variant, j0, std::min(num_panels, j0 + chunk));
     }
   }
 };
 
 template <typename T>
-void Run(const Problem<T>& problem, int64_t width, int64_t num_panels, int64_t helpers,
+void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t helpers,
          ffi::ThreadPool* pool) {
   if (helpers <= 0 || num_panels < 2 || pool == nullptr) {
-    Range(problem, width, 0, num_panels);
+    Range(problem, variant, 0, num_panels);
     return;
   }
   auto shared = std::make_shared<Shared<T>>();
   shared->problem = problem;
-  shared->width = width;
+  shared->variant = variant;
   shared->num_panels = num_panels;
   shared->chunk = kGroup * std::max<int64_t>(1, num_panels / (8 * kGroup * (helpers + 1)));
   for (int64_t i = 0; i < helpers; ++i) {
@@ -382,7 +422,8 @@ void Run(const Problem<T>& problem, int64_t width, int64_t num_panels, int64_t h
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                   const float* scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                  int64_t width) {
+                  int64_t variant_code) {
+  const Variant variant = Variant::Of(variant_code);
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   const auto yd = y->dimensions();
@@ -395,7 +436,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (pd[1] * (pairs ? 2 : 1) != K || yd[0] != M || N > pd[0] * kPanel ||
       N <= (pd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument("small_m_matmul: shapes of x, panels and y disagree");
-  if (!HaveWidth(width))
+  if (!HaveWidth(variant.width))
     return ffi::Error::InvalidArgument("small_m_matmul: vector width not built for this CPU");
   const int64_t num_panels = pd[0];
   int64_t helpers = std::min<int64_t>(threads, pool.num_threads()) - 1;
@@ -411,16 +452,16 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     const std::vector<uint32_t> xp = PairRows(x.typed_data(), M, K / 2);
     Problem<Pair> problem{nullptr, static_cast<const Pair*>(w), nullptr, out, M, K / 2, N};
     problem.xpairs = xp.data();
-    Run(problem, width, num_panels, helpers, &pool);
+    Run(problem, variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::F32 && scales == nullptr) {
     Run(Problem<float>{x.typed_data(), static_cast<const float*>(w), nullptr, out, M, K, N},
-        width, num_panels, helpers, &pool);
+        variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::BF16 && scales == nullptr) {
     Run(Problem<uint16_t>{x.typed_data(), static_cast<const uint16_t*>(w), nullptr, out, M, K,
-                          N}, width, num_panels, helpers, &pool);
+                          N}, variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::S8 && scales != nullptr) {
     Run(Problem<int8_t>{x.typed_data(), static_cast<const int8_t*>(w), scales, out, M, K, N},
-        width, num_panels, helpers, &pool);
+        variant, num_panels, helpers, &pool);
   } else {
     return ffi::Error::InvalidArgument(
         "small_m_matmul: panels must be float32 or bfloat16, or int8 with scales");
@@ -429,18 +470,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 }
 
 ffi::Error Unscaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
-                    ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t width) {
-  return Matmul(pool, x, panels, nullptr, y, threads, width);
+                    ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant) {
+  return Matmul(pool, x, panels, nullptr, y, threads, variant);
 }
 
 ffi::Error Scaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                   ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                  int64_t width) {
+                  int64_t variant) {
   const auto sd = scales.dimensions();
   const auto pd = panels.dimensions();
   if (sd.size() != 1 || pd.size() != 3 || sd[0] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("small_m_matmul: want scales [16 P] for panels [P, K, 16]");
-  return Matmul(pool, x, panels, scales.typed_data(), y, threads, width);
+  return Matmul(pool, x, panels, scales.typed_data(), y, threads, variant);
 }
 
 template <typename V>
@@ -449,10 +490,7 @@ double FmaLoop(int64_t iters) {
   for (int i = 0; i < 12; ++i) acc[i] = V{} + float(i);
   const V a = V{} + 0.999999f, b = V{} + 1e-7f;
   for (int64_t n = 0; n < iters; ++n)
-    for (int i = 0; i < 12; ++i) {
-      acc[i] = acc[i] * a + b;
-      __asm__("" : "+v"(acc[i]));  // keep every chain
-    }
+    for (int i = 0; i < 12; ++i) acc[i] = acc[i] * a + b;  // 12 independent FMA chains
   float sum = 0;
   for (int i = 0; i < 12; ++i) sum += acc[i][0];
   return sum;
@@ -467,7 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmul, Unscaled,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("width"));
+                                  .Attr<int64_t>("variant"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulScaled, Scaled,
                               ffi::Ffi::Bind()
@@ -477,7 +515,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulScaled, Scaled,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("width"));
+                                  .Attr<int64_t>("variant"));
 
 extern "C" {
 
@@ -490,31 +528,46 @@ int64_t spec_decode_widths() {
   return widths;
 }
 
-// The kernel's products on raw pointers in the calling thread. dtype: 0 float32,
-// 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot products; K even). Returns 0,
-// or -1 for a width or dtype it lacks.
+// The kernel's products on raw pointers in the calling thread, with variant 2 x width +
+// prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot
+// products; K even). Returns 0, or -1 for a variant or dtype it lacks.
 int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
-                       int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t width) {
-  if (!HaveWidth(width)) return -1;
+                       int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t variant_code) {
+  const Variant variant = Variant::Of(variant_code);
+  if (!HaveWidth(variant.width)) return -1;
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   if (dtype == 0) {
-    Run(Problem<float>{x, static_cast<const float*>(panels), nullptr, y, M, K, N}, width,
+    Run(Problem<float>{x, static_cast<const float*>(panels), nullptr, y, M, K, N}, variant,
         num_panels, 0, nullptr);
   } else if (dtype == 1) {
-    Run(Problem<uint16_t>{x, static_cast<const uint16_t*>(panels), nullptr, y, M, K, N}, width,
-        num_panels, 0, nullptr);
+    Run(Problem<uint16_t>{x, static_cast<const uint16_t*>(panels), nullptr, y, M, K, N},
+        variant, num_panels, 0, nullptr);
   } else if (dtype == 2 && scales != nullptr) {
-    Run(Problem<int8_t>{x, static_cast<const int8_t*>(panels), scales, y, M, K, N}, width,
+    Run(Problem<int8_t>{x, static_cast<const int8_t*>(panels), scales, y, M, K, N}, variant,
         num_panels, 0, nullptr);
   } else if (dtype == 3 && kHaveDot && K % 2 == 0) {
     const std::vector<uint32_t> xp = PairRows(x, M, K / 2);
     Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
     problem.xpairs = xp.data();
-    Run(problem, width, num_panels, 0, nullptr);
+    Run(problem, variant, num_panels, 0, nullptr);
   } else {
     return -1;
   }
   return 0;
+}
+
+// Seconds of `spec_decode_matmul` over `copies` weight matrices laid end to end from
+// `panels` (`stride` bytes apart), as a decode step streams its layers' weights: the
+// tuner's measurement, without a call from Python per matrix. -1 on a refused variant.
+double spec_decode_sweep(const float* x, const void* panels, const float* scales, float* y,
+                         int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t variant_code,
+                         int64_t copies, int64_t stride) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t c = 0; c < copies; ++c)
+    if (spec_decode_matmul(x, static_cast<const char*>(panels) + c * stride, scales, y, M, K, N,
+                           dtype, variant_code) != 0)
+      return -1;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 // Whether the bfloat16 dot-product variant (AVX512-BF16) is built.

@@ -21,10 +21,13 @@ the bytes (`pack(weights="auto")` picks it for such matrices); int8 with a float
 scale per column (an option: the products change by the quantization).
 
 Variants: 8-wide vectors (AVX2) always, 16-wide (AVX-512) where the compiler targets
-AVX-512F. Both give the same bits; which is faster depends on the CPU, the weights and
-the number of rows, so the first product of each shape on a machine times them and
-keeps the faster (`chosen_width`, cached per CPU in the kernel cache);
-SPEC_DECODE_CPU_KERNEL_WIDTH=8 or 16 fixes the width for reproducible benchmarks.
+AVX-512F, each with or without software prefetch of the panels ahead of the hardware
+prefetcher: '8', '8p', '16', '16p'. All give the same bits; which is fastest depends on
+the CPU, the weights and the number of rows (on one AMD EPYC, prefetching cost a third
+of the bandwidth at 1 row and gained a fifth at 5 rows of 8-wide), so the first product
+of each shape on a machine times them and keeps the fastest (`chosen_variant`, cached
+per CPU in the kernel cache); SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible
+benchmarks.
 
 The kernel is compiled on first use with the system C++ compiler for the host CPU
 (-march=native) against jaxlib's FFI headers, cached under $SPEC_DECODE_KERNEL_CACHE
@@ -77,7 +80,7 @@ MIN_PACKED_ELEMENTS = 2 ** 15
 ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
 ENV_CACHE = "SPEC_DECODE_KERNEL_CACHE"
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"
-ENV_WIDTH = "SPEC_DECODE_CPU_KERNEL_WIDTH"
+ENV_VARIANT = "SPEC_DECODE_CPU_KERNEL_VARIANT"
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "bfloat16_dot")
 _DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.int8): 2}
 
@@ -194,9 +197,9 @@ def matmul(x, kernel: PackedKernel) -> jax.Array:
   if kernel.pairs and not has_bfloat16_dot():
     raise RuntimeError(f"bfloat16_dot weights need a CPU with AVX512-BF16; "
                        f"{cpu_info()['model']} has {cpu_info()['features']}")
-  width = chosen_width(x2.shape[0], K, N, kernel.dtype, kernel.pairs)
+  variant = chosen_variant(x2.shape[0], K, N, kernel.dtype, kernel.pairs)
   out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
-  attrs = dict(threads=np.int64(_threads()), width=np.int64(width))
+  attrs = dict(threads=np.int64(_threads()), variant=np.int64(_variant_code(variant)))
   if kernel.scales is None:
     y = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x2, kernel.panels, **attrs)
   else:
@@ -284,6 +287,8 @@ def _register() -> str | None:
                                   platform="cpu")
     lib.spec_decode_widths.restype = ctypes.c_int64
     lib.spec_decode_has_bf16_dot.restype = ctypes.c_int
+    lib.spec_decode_sweep.restype = ctypes.c_double
+    lib.spec_decode_sweep.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
     lib.spec_decode_matmul.restype = ctypes.c_int
     lib.spec_decode_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.spec_decode_read_gbps.restype = ctypes.c_double
@@ -326,91 +331,106 @@ def has_bfloat16_dot() -> bool:
   return bool(_library().spec_decode_has_bf16_dot())
 
 
-def _width_override() -> int | None:
-  raw = os.environ.get(ENV_WIDTH, "").strip()
+def variants() -> tuple[str, ...]:
+  """The kernel's variants on this CPU: width ('8', '16'), 'p' for software prefetch."""
+  return tuple(f"{w}{p}" for w in widths() for p in ("", "p"))
+
+
+def _variant_code(variant: str) -> int:
+  """The kernel's attribute for `variant`: 2 x width + prefetch."""
+  return 2 * int(variant.rstrip("p")) + variant.endswith("p")
+
+
+def _variant_override() -> str | None:
+  raw = os.environ.get(ENV_VARIANT, "").strip()
   if not raw:
     return None
-  if raw not in ("8", "16"):
-    raise ValueError(f"{ENV_WIDTH} must be 8 or 16, got {raw!r}")
-  if int(raw) not in widths():
-    raise ValueError(f"{ENV_WIDTH}={raw}: this CPU's kernel has widths {widths()} only "
+  if raw not in ("8", "8p", "16", "16p"):
+    raise ValueError(f"{ENV_VARIANT} must be 8, 8p, 16 or 16p (vector width, p = software "
+                     f"prefetch), got {raw!r}")
+  if raw not in variants():
+    raise ValueError(f"{ENV_VARIANT}={raw}: this CPU's kernel has variants {variants()} only "
                      f"({cpu_info()['model']})")
-  return int(raw)
+  return raw
 
 
-def _random_operands(M: int, K: int, N: int, dtype, pairs: bool = False):
+def _random_operands(M: int, K: int, N: int, dtype, pairs: bool = False, copies: int = 1):
+  """x [M, K], `copies` weight panels of one shape end to end in one buffer, scales."""
   rng = np.random.default_rng(0)
   P = -(-N // PANEL)
   x = rng.standard_normal((M, K)).astype(np.float32)
+  shape = (copies, P, K // 2, PANEL, 2) if pairs else (copies, P, K, PANEL)
   if np.dtype(dtype) == np.int8:
-    panels = rng.integers(-127, 128, (P, K, PANEL)).astype(np.int8)
+    one = rng.integers(-127, 128, shape[1:]).astype(np.int8)
   else:
-    shape = (P, K // 2, PANEL, 2) if pairs else (P, K, PANEL)
-    panels = (rng.standard_normal(shape) / np.sqrt(K)).astype(dtype)
-  scales = np.ones(P * PANEL, np.float32)
-  return x, panels, scales, np.zeros((M, N), np.float32)
+    one = (rng.standard_normal(shape[1:]) / np.sqrt(K)).astype(dtype)
+  return x, np.broadcast_to(one, shape).copy(), np.ones(P * PANEL, np.float32)
 
 
-def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, width: int) -> np.ndarray:
+def _dtype_code(panels: np.ndarray, pairs: bool) -> int:
+  return 3 if pairs else _DTYPE_CODES[panels.dtype]
+
+
+def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, variant: str) -> np.ndarray:
   """The kernel's product on numpy arrays in this thread (no XLA): x [M, K] float32,
   panels [P, K, 16] of float32/bfloat16/int8 or bfloat16 pairs [P, K / 2, 16, 2], scales
-  [16 P] for int8 (else None)."""
+  [16 P] for int8 (else None), a `variants()` entry."""
   x = np.ascontiguousarray(x, np.float32)
   panels = np.ascontiguousarray(panels)
   y = np.zeros((x.shape[0], n), np.float32)
-  code = 3 if panels.ndim == 4 else _DTYPE_CODES[panels.dtype]
   s = None if scales is None else np.ascontiguousarray(scales, np.float32)
   if _library().spec_decode_matmul(x.ctypes.data, panels.ctypes.data,
                                    None if s is None else s.ctypes.data, y.ctypes.data,
-                                   x.shape[0], x.shape[1], n, code, width) != 0:
-    raise ValueError(f"raw_matmul: width {width} or {panels.dtype} weights not built")
+                                   x.shape[0], x.shape[1], n, _dtype_code(panels, panels.ndim == 4),
+                                   _variant_code(variant)) != 0:
+    raise ValueError(f"raw_matmul: variant {variant} or {panels.dtype} weights not built")
   return y
 
 
-# The width tuner streams its weights through this many bytes of copies, so that they come
-# from memory as a decode step's do, not from a cache that holds one small matrix.
+# The tuner streams its weights through this many bytes of copies, so that they come from
+# memory as a decode step's do, not from a cache that holds one small matrix.
 TUNE_STREAM_BYTES = 48 << 20
 
 
-def time_width(M: int, K: int, N: int, dtype, width: int, repeats: int = 3,
-               stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
-  """Seconds of one product [M, K] x [K, N] (weights of `dtype`) at `width` in this thread:
-  the least, over `repeats` sweeps after one warm-up, of a sweep's time per product, a
-  sweep multiplying by each of enough copies of the weights to fill `stream_bytes`."""
-  x, panels, scales, _ = _random_operands(M, K, N, dtype, pairs)
-  scales = scales if np.dtype(dtype) == np.int8 else None
-  copies = [panels] + [panels.copy() for _ in range(max(0, stream_bytes // panels.nbytes - 1))]
-  best = float("inf")
-  for i in range(repeats + 1):
-    t0 = time.perf_counter()
-    for c in copies:
-      raw_matmul(x, c, scales, N, width)
-    if i:
-      best = min(best, (time.perf_counter() - t0) / len(copies))
-  return best
+def time_variant(M: int, K: int, N: int, dtype, variant: str, repeats: int = 3,
+                 stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
+  """Seconds of one product [M, K] x [K, N] (weights of `dtype`) by `variant` in this
+  thread: the least, over `repeats` sweeps after one warm-up, of a sweep's time per
+  product, a sweep multiplying by each of enough copies of the weights (end to end in one
+  buffer) to fill `stream_bytes`."""
+  P = -(-N // PANEL)
+  one = P * K * PANEL * np.dtype(dtype).itemsize
+  copies = max(1, stream_bytes // one)
+  x, panels, scales = _random_operands(M, K, N, dtype, pairs, copies)
+  y = np.zeros((M, N), np.float32)
+  s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
+  args = (x.ctypes.data, panels.ctypes.data, s, y.ctypes.data, M, K, N,
+          _dtype_code(panels, pairs), _variant_code(variant), copies, one)
+  times = [_library().spec_decode_sweep(*args) for _ in range(repeats + 1)][1:]
+  if min(times) < 0:
+    raise ValueError(f"time_variant: variant {variant} or {np.dtype(dtype)} weights not built")
+  return min(times) / copies
 
 
 def _tuning_path() -> Path:
   key = hashlib.sha256(str(_LIB["path"]).encode()).hexdigest()[:16]  # per build, so per CPU
-  return _cache_dir() / f"widths_{key}.json"
+  return _cache_dir() / f"variants_{key}.json"
 
 
-_CHOSEN: dict[str, int] = {}
+_CHOSEN: dict[str, str] = {}
 
 
-def chosen_width(M: int, K: int, N: int, dtype, pairs: bool = False) -> int:
-  """The vector width the kernel uses for M rows times [K, N] weights of `dtype` on this
-  CPU: the override (SPEC_DECODE_CPU_KERNEL_WIDTH), else the faster width, measured once
-  per CPU, weight shape and power-of-two bucket of M (`time_width`, at the bucket's top)
-  and kept in the kernel cache. Every width gives the same bits, so the choice changes
-  only the time."""
-  override = _width_override()
+def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
+  """The variant the kernel uses for M rows times [K, N] weights of `dtype` on this CPU:
+  the override (SPEC_DECODE_CPU_KERNEL_VARIANT), else the fastest, measured once per CPU,
+  weight shape and power-of-two bucket of M (`time_variant`, at the bucket's top) and kept
+  in the kernel cache. Every variant gives the same bits, so the choice changes only the
+  time."""
+  override = _variant_override()
   if override is not None:
     return override
-  built = widths()
-  if len(built) == 1:
-    return built[0]
-  rows = 1 << max(0, M - 1).bit_length()  # measured per power-of-two bucket of row counts
+  built = variants()
+  rows = 1 << max(0, M - 1).bit_length()
   name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}{'_dot' if pairs else ''}"
   if not _CHOSEN:
     try:
@@ -418,7 +438,7 @@ def chosen_width(M: int, K: int, N: int, dtype, pairs: bool = False) -> int:
     except (OSError, ValueError):
       pass
   if _CHOSEN.get(name) not in built:
-    times = {w: time_width(rows, K, N, dtype, w, pairs=pairs) for w in built}
+    times = {v: time_variant(rows, K, N, dtype, v, pairs=pairs) for v in built}
     _CHOSEN[name] = min(built, key=times.__getitem__)
     _save_choices()
   return _CHOSEN[name]
@@ -437,20 +457,20 @@ def _save_choices():
       json.dump(merged, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
   except OSError as e:  # a read-only cache: keep the choices for this process only
-    logging.warning("spec_decode: could not save kernel width choices to %s (%s)", path, e)
+    logging.warning("spec_decode: could not save kernel variant choices to %s (%s)", path, e)
 
 
 def describe() -> dict[str, Any]:
   """The CPU and the kernel as decoding uses them: model, features, whether the kernel is
-  on (or why not), the widths built and the width chosen per weight shape so far."""
+  on (or why not), the variants built and the variant chosen per weight shape so far."""
   info = dict(cpu_info())
   reason = _register()
   info["kernel"] = "off: " + reason if reason else "on"
   if reason is None:
     info["widths"] = list(widths())
     info["bfloat16_dot"] = has_bfloat16_dot()
-    info["width_override"] = os.environ.get(ENV_WIDTH) or None
-    info["chosen_widths"] = dict(sorted(_CHOSEN.items()))
+    info["variant_override"] = os.environ.get(ENV_VARIANT) or None
+    info["chosen_variants"] = dict(sorted(_CHOSEN.items()))
   return info
 
 
