@@ -59,7 +59,7 @@ def _references(task_name: str, n: int) -> dict[str, list[str]]:
 
 
 def run(args) -> list[dict[str, Any]]:
-  from spec_decode import train_data
+  from spec_decode.data import tokenized
   from spec_decode.data import synthetic_tasks
   rows = []
   for task in args.tasks:
@@ -67,7 +67,7 @@ def run(args) -> list[dict[str, Any]]:
     source = synthetic_tasks.offline_source(name)
     examples = source.examples("test", args.num_examples)
     targets = [ex["targets"] for ex in examples]
-    enc = train_data._pad(source.tokenized("test", args.num_examples).inputs, input_length, 16)
+    enc = tokenized.pad_rows(source.tokenized("test", args.num_examples).inputs, input_length, 16)
     for label, preds in _references(name, len(examples)).items():
       rows.append({"task": setups.TASK_LABELS[task], "model": label, "params": None,
                    "examples": len(examples), **_score(task, targets, preds)})

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from spec_decode import losses, train_data
+from spec_decode.data import tokenized
 from spec_decode.models import t5
 
 MODES = ("supervised", "distill")
@@ -257,7 +258,7 @@ def _teacher_split(teacher, teacher_params, split: train_data.TokenizedSplit, cf
   outs = []
   for start in range(0, n, 256):
     idx = list(range(start, min(n, start + 256)))
-    enc = train_data._pad([split.inputs[i] for i in idx], cfg.input_length, 8)
+    enc = tokenized.pad_rows([split.inputs[i] for i in idx], cfg.input_length, 8)
     r = decoding.autoregressive(teacher, teacher_params, enc, max_decode_len=cfg.target_length,
                                 sampling=sampling, rng=jax.random.PRNGKey(cfg.seed + 7),
                                 row_ids=np.asarray(idx, np.int32))

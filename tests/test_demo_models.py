@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from spec_decode import checkpoints, decoding, metrics, train_data
+from spec_decode import checkpoints, decoding, metrics
+from spec_decode.data import tokenized
 from spec_decode.data import synthetic_tasks
 from spec_decode.models import t5
 
@@ -92,7 +93,7 @@ def demo(request):
   source = synthetic_tasks.offline_source(name)
   examples = source.examples("test", n)
   split = source.tokenized("test", n)
-  enc = train_data._pad(split.inputs, input_length, 16)
+  enc = tokenized.pad_rows(split.inputs, input_length, 16)
   tcfg, tparams = checkpoints.load(os.path.join(DEMO, target_name), dtype="float32")
   target = t5.T5(tcfg)
   if target_name == "ende_target_big":

@@ -246,11 +246,12 @@ class TrainConfig:
 
 def _greedy_split(target, target_params, split, n: int, cfg: TrainConfig, report):
   from spec_decode import decoding, train_data
+  from spec_decode.data import tokenized
   n = min(n, len(split))
   outs = []
   for start in range(0, n, 256):
     idx = list(range(start, min(n, start + 256)))
-    enc = train_data._pad([split.inputs[i] for i in idx], cfg.input_length, 8)
+    enc = tokenized.pad_rows([split.inputs[i] for i in idx], cfg.input_length, 8)
     r = decoding.autoregressive(target, target_params, enc, max_decode_len=cfg.target_length)
     toks, lens = np.asarray(r.tokens), np.asarray(r.lengths)
     outs.extend(tuple(int(t) for t in row[:m]) for row, m in zip(toks, lens))
