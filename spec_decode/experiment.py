@@ -451,7 +451,7 @@ def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str
   batch = s.examples[:cfg.batch_size]
   enc, _ = _inputs(s, batch)
   sizes = sorted({a.max_proposal + 1 for a in cfg.algorithms.values()
-                  if hasattr(a, "max_proposal")} | set(verify_tokens))
+                  if a.max_proposal is not None} | set(verify_tokens))
   length = cfg.decode_len + max(sizes, default=1)  # the speculative loop's cache size
   kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh,
             compiler_options=cfg.compiler_options)
@@ -465,8 +465,8 @@ def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str
     if hasattr(draft, "token_seconds"):
       # Heads proposing several tokens per call (Medusa, MTP): their cost per proposed
       # token at the primary decoder's gamma.
-      gamma = getattr(primary, "gamma", None) or min(
-          a.gamma for a in cfg.algorithms.values() if hasattr(a, "gamma"))
+      gamma = (primary.gamma if primary is not None else None) or min(
+          a.gamma for a in cfg.algorithms.values() if a.gamma is not None)
       draft_s = draft.token_seconds(s.target, s.target_params, dparams, enc, gamma=gamma,
                                     cache_length=length, position=cfg.decode_len // 2,
                                     repeats=repeats, compiler_options=cfg.compiler_options)
@@ -479,7 +479,7 @@ def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str
   verify = {n: timing.step_time(s.target, s.target_params, enc, num_tokens=n, rules=rules, **kw)
             for n in sizes}
   out["verify_ratio_by_tokens"] = {str(n): v / target_s for n, v in verify.items()}
-  if hasattr(primary, "max_proposal"):
+  if primary is not None and primary.max_proposal is not None:
     out["verify_seconds"] = verify[primary.max_proposal + 1]
     out["verify_ratio"] = out["verify_seconds"] / target_s
   return out

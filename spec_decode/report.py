@@ -44,8 +44,9 @@ def table_row(config, summary: Mapping[str, Any]) -> str:
   """
   algo = config.algorithms[config.primary]
   draft = config.draft.label if config.draft is not None else "-"
+  gamma = "-" if algo.gamma is None else algo.gamma
   return (f"| {TASK_LABELS.get(config.task, config.task)} | {draft} | "
-          f"{config.temperature:g} | {getattr(algo, 'gamma', '-')} | {_fmt(summary['alpha'])} | "
+          f"{config.temperature:g} | {gamma} | {_fmt(summary['alpha'])} | "
           f"{_fmt(summary['timing'].get('c'), 3)} | {_fmt(summary['speedup_predicted'])} | "
           f"{_fmt(summary['speedup_measured'])} |")
 
@@ -77,7 +78,7 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
         [r["decoders"][baseline]["tokens"] for r in done],
         [r["decoders"][name]["tokens"] for r in done])
   alpha, c = d.get("alpha"), step_times.get("c")
-  size = getattr(algo, "max_proposal", None)
+  size = algo.max_proposal
   ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
   model = None
   if alpha is not None and not math.isnan(alpha) and c is not None and ratio is not None:

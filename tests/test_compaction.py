@@ -14,7 +14,7 @@ import pytest
 
 from spec_decode import decoding
 from spec_decode.decoding import runner
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.models.testing import MarkovDecoder
 

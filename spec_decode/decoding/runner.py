@@ -50,11 +50,22 @@ class Algorithm:
   """A decoding algorithm: its settings (hashable, jit-static) and its loop.
 
   needs_draft: whether `run` must be given a draft model.
+  gamma: tokens drafted per target call (None: the algorithm drafts none).
+  compact_batch: whether the loop shrinks its batch as rows finish (unsharded runs only).
+  Subclasses make gamma and compact_batch dataclass fields where they have them.
+  max_proposal: K, the most tokens one target call verifies beyond the first (None: one
+  token per call).
   decode(ctx): the whole decode inside jit -> DecodeResult (see `LoopContext`).
   init_stats(batch): its named per-row counters, zero.
   cost_model(...): the speedup its cost model predicts, or None when it has none.
   """
   needs_draft: ClassVar[bool] = False
+  gamma = None
+  compact_batch = False
+
+  @property
+  def max_proposal(self) -> int | None:
+    return None
 
   def check_models(self, target, draft) -> None:
     """Raises ValueError when the models cannot serve this algorithm."""
@@ -410,7 +421,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   check_streamed_params("draft", draft, draft_params)
   if compiler_options is not None and mesh is not None:
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
-  if mesh is not None and getattr(algorithm, "compact_batch", False):
+  if mesh is not None and algorithm.compact_batch:
     raise ValueError(f"{type(algorithm).__name__}(compact_batch=True) runs unsharded only "
                      "(mesh=None)")
   if mesh is not None:  # the sharded path lays out device arrays (or global ones) as given

@@ -29,11 +29,12 @@ import jax.numpy as jnp
 
 from spec_decode import theory
 from spec_decode.decoding import registry, runner
-from spec_decode.decoding.drafters import Drafter, ModelDrafter
+from spec_decode.decoding.drafters.base import Drafter
+from spec_decode.decoding.drafters.model import ModelDrafter
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
-from spec_decode.decoding.verifiers import ChainVerifier, Verifier
-from spec_decode.decoding.verifiers.chain import greedy_verdict
+from spec_decode.decoding.verifiers.base import Verifier
+from spec_decode.decoding.verifiers.chain import ChainVerifier, greedy_verdict
 from spec_decode.models.base import EOS_ID
 
 
