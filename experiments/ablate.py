@@ -38,7 +38,8 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt
-from spec_decode import batching, metrics, timing
+from spec_decode import batching, metrics
+from spec_decode.decoding import timing
 from spec_decode.experiment import release_executables_if_crowded
 from spec_decode.models.delayed import DelayedDecoder
 

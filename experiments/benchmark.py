@@ -50,7 +50,8 @@ import numpy as np
 
 from experiments import _common, costs, setups
 from experiments._common import Column, fmt, fmt_spread
-from spec_decode import batching, metrics, timing
+from spec_decode import batching, metrics
+from spec_decode.decoding import timing
 
 
 def model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,

@@ -27,41 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments._common import spread
-from spec_decode import partitioning, timing
+from spec_decode import partitioning
+from spec_decode.decoding import timing
 from spec_decode.models import t5
 
 decode_step = timing.decode_loop
 
 
-def interleaved(fns: Mapping[str, Any], *, repeats: int, warmup: int = 2,
-                inner: int = 3) -> dict[str, list[float]]:
-  """Seconds per decode step of each fn, one value per round (median of `inner` calls).
-
-  A fn made by `decode_step(steps=k)` runs k decodes per call; its time is
-  divided by k. A value may also be a pair (a k-step loop, a 2k-step loop of
-  the same decode): its round value is then the marginal cost of one more step,
-  (t(2k) - t(k)) / k, free of the fixed cost every call pays once (t(2k) / 2k
-  in a round where noise makes the difference non-positive).
-  """
-  if repeats < 1 or inner < 1 or warmup < 1:
-    raise ValueError(f"need repeats, inner and warmup >= 1, got {repeats}, {inner}, {warmup}")
-  for f in fns.values():  # compile and warm up everything before any timing
-    for g in (f if isinstance(f, tuple) else (f,)):
-      timing.timed(g, repeats=1, warmup=warmup - 1)
-  per_step = lambda g: timing.timed(g, repeats=inner).median / getattr(g, "steps", 1)
-  out: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, f in fns.items():
-      if isinstance(f, tuple):
-        short, long = f
-        t_short, t_long = timing.timed(short, repeats=inner).median, timing.timed(
-            long, repeats=inner).median
-        diff = t_long - t_short  # noise can make it <= 0: then the longer loop's per-step
-        out[name].append(diff / (long.steps - short.steps) if diff > 0 else  # upper bound
-                         t_long / long.steps)
-      else:
-        out[name].append(per_step(f))
-  return out
+interleaved = timing.interleaved
 
 
 def marginal_steps(model, params, encoder_tokens, *, num_tokens: int, steps: int, **kw):

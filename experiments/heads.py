@@ -36,25 +36,6 @@ from experiments import _common, setups
 from experiments._common import Column, fmt
 
 
-def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
-           mtp_modules, mtp_params, mtp_gamma, enc, decode_len: int,
-           repeats: int) -> dict[str, float]:
-  """T_p, the draft model's step, the EAGLE head's drafting step, and the Medusa heads'
-  and the MTP modules' cost per proposed token (`token_seconds`), marginal seconds."""
-  from spec_decode import timing
-  from spec_decode.heads import eagle
-  kw = dict(cache_length=decode_len + 8, position=decode_len // 2, repeats=repeats)
-  t_p = timing.step_time(target, tparams, enc, **kw)
-  t_q = timing.step_time(draft, dparams, enc, **kw)
-  t_eagle = timing.step_time(eagle.DraftingDecoder(eagle_head, target),
-                             {"head": eagle_params, "target": tparams}, enc, **kw)
-  return {"target_step": t_p, "draft_step": t_q, "eagle_step": t_eagle,
-          "medusa_token": heads.token_seconds(target, tparams, hparams, enc,
-                                              gamma=heads.num_heads, **kw),
-          "mtp_token": mtp_modules.token_seconds(target, tparams, mtp_params, enc,
-                                                 gamma=mtp_gamma, **kw)}
-
-
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
   from spec_decode import data, decoding, metrics, theory
@@ -103,8 +84,15 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
       t0 = time.perf_counter()
       last[n] = [decode(algo, d, dp, enc, i) for i, enc in enumerate(encs)]
       seconds[n].append(time.perf_counter() - t0)
-  costs = _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
-                 modules, mparams, mtp_gamma, encs[0], decode_len, args.timing_repeats)
+  from spec_decode import experiment
+  from spec_decode.decoding import timing
+  workload = timing.Workload(target=target, target_params=tparams, encoder_tokens=encs[0],
+                             cache_length=decode_len + 8, position=decode_len // 2,
+                             sampling=sampling)
+  costs = experiment.step_costs(
+      workload, {n: algo for n, (algo, _, _) in decoders.items()},
+      drafts={n: (d, dp) for n, (_, d, dp) in decoders.items() if d is not None},
+      repeats=args.timing_repeats)
   base_tokens = [tuple(np.asarray(r.tokens)[0, :int(r.lengths[0])]) for r in
                  last["autoregressive"]]
   base_s = statistics.median(seconds["autoregressive"])
@@ -122,14 +110,7 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
     if algo.needs_draft:
       alpha = metrics.alpha_estimate(min_pq_sum=total("min_pq_sum"),
                                      decisions=total("decisions"))
-      if "Medusa" in n:  # one proposal of all heads per target call, spread over gamma tokens
-        c = costs["medusa_token"] * heads.num_heads / algo.gamma / costs["target_step"]
-      elif "EAGLE" in n:
-        c = costs["eagle_step"] / costs["target_step"]
-      elif "MTP" in n:  # gamma module calls per proposal, spread over gamma tokens
-        c = costs["mtp_token"] / costs["target_step"]
-      else:
-        c = costs["draft_step"] / costs["target_step"]
+      c = costs["c"][n]["median"]
       row.update(alpha=alpha, c=c, gamma=algo.gamma,
                  thm38=(float(theory.walltime_improvement(alpha, algo.gamma, c))
                         if not math.isnan(alpha) else None))

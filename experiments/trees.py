@@ -64,7 +64,9 @@ def verify_curves(setup: setups.Setup, max_tokens: int,
   and the draft scoring N new tokens in one call, in target steps, on the run's first batch."""
   import jax.numpy as jnp
 
-  from spec_decode import batching, timing
+  from spec_decode import batching
+
+  from spec_decode.decoding import timing
   st = setups.load(setup)
   cfg = st.config
   enc, _ = batching.example_batch(list(st.examples[:cfg.batch_size]),

@@ -72,7 +72,7 @@ def _batches(s, batch_size: int):
 
 
 def _decode_all(fn, batches) -> tuple[float, list]:
-  from spec_decode import timing
+  from spec_decode.decoding import timing
   total, outs = 0.0, []
   for enc, ids in batches:
     t = timing.timed(lambda: fn(enc, ids))

@@ -38,7 +38,7 @@ def measure(args) -> list[dict[str, Any]]:
   import numpy as np
 
   from experiments import benchmark
-  from spec_decode import timing
+  from spec_decode.decoding import timing
   from spec_decode.model_specs import LoadContext, load
   option_sets = [("project", None, True)]
   if args.compare_xla_dots:

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode import (batching, cli, data, decoding, distributed, metrics, model_specs,
-                         partitioning, report, results, run_status, theory, timing)
+                         partitioning, report, results, run_status, theory)
+from spec_decode.decoding import runner, timing
 from spec_decode.model_specs import LoadContext, ModelSpec
-from spec_decode.decoding import runner
 
 
 
@@ -437,51 +437,84 @@ def _compile_input_lengths(s: _Setup, fns, batches) -> None:
         jax.block_until_ready(f(enc, ids))
 
 
-def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str, Any]:
-  """Single-token step times of target and draft on one batch, c, and verify cost ratios.
+def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algorithm], *,
+               drafts: Mapping[str, tuple[Any, Any]] | None = None, verify_tokens=(),
+               repeats: int, inner: int = 1, steps: int = 8) -> dict[str, Any]:
+  """Step costs of decoders on one batch, as their loops run them: every cost the marginal
+  cost of one more call inside a jitted loop, all timed in the same interleaved rounds
+  (`timing.interleaved`), so ratios are taken within a round.
 
-  verify_ratio_by_tokens[n] = T_verify(n) / T_p for every n = K + 1 some decoder
-  verifies at once (K its largest proposal) and every n in `verify_tokens`;
-  verify_ratio is the primary decoder's (n = gamma + 1). Without a draft only the target
-  step is timed. The draft's step is a draft model's single-token step, an EAGLE head's
-  drafting step, or for heads proposing several tokens per call (Medusa, MTP) their
-  `token_seconds`.
+  target_step: T_p, the target's single-token step; proposal[name]: one proposal of each
+  decoder that drafts (its drafter's own `proposal_loop` at its gamma) and c[name] its
+  cost per drafted token over T_p, proposal / (gamma T_p) (for the model drafter the
+  paper's c = T_q / T_p); verify[n] and verify_ratio[n] = T_verify(n) / T_p for every
+  n = K + 1 some decoder verifies at once (K its largest proposal) and every n in
+  verify_tokens. Each entry is a `timing.spread` over the rounds. target_loop: the
+  target's step loop (what it reads: `costs.decode_bytes`). drafts: {name: (draft model,
+  params)} of decoders whose draft is not the workload's.
   """
+  sizes = sorted({a.max_proposal + 1 for a in decoders.values() if a.max_proposal is not None}
+                 | set(verify_tokens))
+  target = lambda n: timing.marginal_pair(
+      lambda k: workload.decode_loop("target", num_tokens=n, steps=k), steps)
+  loops = {"target": target(1)}
+  drafting = {name: a for name, a in decoders.items() if a.drafter is not None}
+  for name, a in drafting.items():
+    w = workload
+    if drafts and name in drafts:
+      w = dataclasses.replace(workload, draft=drafts[name][0], draft_params=drafts[name][1])
+    loops[f"proposal:{name}"] = timing.marginal_pair(
+        lambda k, a=a, w=w: a.drafter.proposal_loop(w, gamma=a.gamma, steps=k), steps)
+  for n in sizes:
+    loops[f"verify:{n}"] = target(n)
+  t = timing.interleaved(loops, repeats=repeats, inner=inner)
+  t_p = t["target"]
+  per_round = lambda num, scale=1.0: [a / (scale * b) for a, b in zip(num, t_p)]
+  return {
+      "target_step": timing.spread(t_p),
+      "proposal": {n: timing.spread(t[f"proposal:{n}"]) for n in drafting},
+      "c": {n: timing.spread(per_round(t[f"proposal:{n}"], a.gamma))
+            for n, a in drafting.items()},
+      "verify": {n: timing.spread(t[f"verify:{n}"]) for n in sizes},
+      "verify_ratio": {n: timing.spread(per_round(t[f"verify:{n}"])) for n in sizes},
+      "target_loop": loops["target"][0]}
+
+
+def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str, Any]:
+  """The run's step costs on its first batch (`step_costs`, medians), as results.json keeps
+  them: target_step_seconds T_p; per decoder that drafts proposal_seconds[name] and
+  c_by_decoder[name]; for the primary decoder draft_step_seconds (its cost per drafted
+  token) and c, verify_seconds and verify_ratio (T_verify(K + 1) / T_p);
+  verify_ratio_by_tokens[n] for every n measured (see `step_costs`)."""
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
   enc, _ = _inputs(s, batch)
-  sizes = sorted({a.max_proposal + 1 for a in cfg.algorithms.values()
-                  if a.max_proposal is not None} | set(verify_tokens))
-  length = cfg.decode_len + max(sizes, default=1)  # the speculative loop's cache size
-  kw = dict(cache_length=length, position=cfg.decode_len // 2, repeats=repeats, mesh=s.mesh,
-            compiler_options=cfg.compiler_options)
+  algorithms = cfg.algorithms
+  sizes = [a.max_proposal + 1 for a in algorithms.values() if a.max_proposal is not None]
+  length = cfg.decode_len + max(sizes + list(verify_tokens), default=1)  # the loop's cache
   rules = cfg.rules if s.mesh is not None else None
-  primary = cfg.algorithms.get(cfg.primary) if cfg.primary else None
-  target_s = timing.step_time(s.target, s.target_params, enc, rules=rules, **kw)
-  out: dict[str, Any] = {"target_step_seconds": target_s}
-  if s.draft is not None:
-    draft_rules = partitioning.data_parallel_rules(rules) if s.mesh is not None else None
-    draft, dparams = s.draft, s.draft_params
-    if hasattr(draft, "token_seconds"):
-      # Heads proposing several tokens per call (Medusa, MTP): their cost per proposed
-      # token at the primary decoder's gamma.
-      gamma = (primary.gamma if primary is not None else None) or min(
-          a.gamma for a in cfg.algorithms.values() if a.gamma is not None)
-      draft_s = draft.token_seconds(s.target, s.target_params, dparams, enc, gamma=gamma,
-                                    cache_length=length, position=cfg.decode_len // 2,
-                                    repeats=repeats, compiler_options=cfg.compiler_options)
-    else:
-      if hasattr(draft, "drafting_decoder"):
-        # A feature-level head (EAGLE): its drafting step through the target's LM head.
-        draft, dparams = draft.drafting_decoder(s.target, s.target_params, dparams)
-      draft_s = timing.step_time(draft, dparams, enc, rules=draft_rules, **kw)
-    out.update(draft_step_seconds=draft_s, c=draft_s / target_s)
-  verify = {n: timing.step_time(s.target, s.target_params, enc, num_tokens=n, rules=rules, **kw)
-            for n in sizes}
-  out["verify_ratio_by_tokens"] = {str(n): v / target_s for n, v in verify.items()}
-  if primary is not None and primary.max_proposal is not None:
-    out["verify_seconds"] = verify[primary.max_proposal + 1]
-    out["verify_ratio"] = out["verify_seconds"] / target_s
+  workload = timing.Workload(
+      target=s.target, target_params=s.target_params, encoder_tokens=enc, cache_length=length,
+      position=cfg.decode_len // 2, draft=s.draft, draft_params=s.draft_params,
+      sampling=cfg.sampling, mesh=s.mesh, rules=rules,
+      draft_rules=partitioning.data_parallel_rules(rules) if s.mesh is not None else None,
+      compiler_options=cfg.compiler_options)
+  costs = step_costs(workload, algorithms, verify_tokens=verify_tokens, repeats=repeats)
+  med = lambda d: {k: v["median"] for k, v in d.items()}
+  out: dict[str, Any] = {"target_step_seconds": costs["target_step"]["median"]}
+  if costs["proposal"]:
+    out["proposal_seconds"] = med(costs["proposal"])
+    out["c_by_decoder"] = med(costs["c"])
+  primary = cfg.primary
+  if primary in costs["proposal"]:
+    gamma = algorithms[primary].gamma
+    out.update(draft_step_seconds=costs["proposal"][primary]["median"] / gamma,
+               c=costs["c"][primary]["median"])
+  out["verify_ratio_by_tokens"] = {str(n): v["median"] for n, v in costs["verify_ratio"].items()}
+  K = algorithms[primary].max_proposal if primary is not None else None
+  if K is not None:
+    out["verify_seconds"] = costs["verify"][K + 1]["median"]
+    out["verify_ratio"] = costs["verify_ratio"][K + 1]["median"]
   return out
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from spec_decode import data, metrics, theory
+from spec_decode import data, metrics
 
 TASK_LABELS = {"wmt_t2t_ende_v003": "EnDe", "cnn_dailymail_v002": "CNNDM",
                "synthetic_ende": "EnDe (synthetic)", "synthetic_cnndm": "CNNDM (synthetic)"}
@@ -77,18 +77,30 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
     d["identical_fraction"] = metrics.identical_fraction(
         [r["decoders"][baseline]["tokens"] for r in done],
         [r["decoders"][name]["tokens"] for r in done])
-  alpha, c = d.get("alpha"), step_times.get("c")
+  alpha, t_p = d.get("alpha"), step_times.get("target_step_seconds")
+  proposal = step_times.get("proposal_seconds", {}).get(name)
   size = algo.max_proposal
   ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
   model = None
-  if alpha is not None and not math.isnan(alpha) and c is not None and ratio is not None:
-    model = algo.cost_model(alpha=alpha, c=c, verify_ratio=ratio)
+  if alpha is not None and not math.isnan(alpha) and None not in (proposal, t_p, ratio):
+    model = algo.cost_model(alpha=alpha, draft_cost=proposal / t_p, verify_ratio=ratio,
+                            counters=_summed(stats))
+  d["c"] = step_times.get("c_by_decoder", {}).get(name)
   d["cost_model"] = model  # None where the algorithm declares none (or alpha is unknown)
   d["speedup_predicted"] = model["thm_3_8"] if model else None
   d["cost_model_speedup"] = model["cost_model"] if model else None
   d["expected_tokens_per_call"] = model["expected_tokens"] if model else None
-  d["optimal_gamma"] = int(theory.optimal_gamma(alpha, c)) if model else None
+  d["optimal_gamma"] = model.get("optimal_gamma") if model else None
   return d
+
+
+def _summed(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """Counters summed over rows (per-position ones elementwise, as lists)."""
+  if not stats:
+    return {}
+  return {k: (np.sum([st[k] for st in stats], axis=0).tolist()
+              if isinstance(stats[0][k], list) else sum(st[k] for st in stats))
+          for k in stats[0]}
 
 
 def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Example],

@@ -272,27 +272,6 @@ def test_eagle_is_registered_and_gin_configurable():
   assert algo == _speculative(gamma=5)
 
 
-def test_drafting_decoder_is_the_drafting_step(tmp_path):
-  """The Decoder view used to time a head (c): one call of T tokens equals T calls of
-  one, and its logits are the target's LM head on the head's predictions."""
-  from spec_decode import model_specs
-  target, tp, enc, ar_tokens, _, result = _setup()
-  eagle.save(str(tmp_path / "h"), result.head, result.params)
-  head, hp = model_specs.load(model_specs.ModelSpec(kind="eagle", checkpoint=str(tmp_path / "h")),
-                              model_specs.LoadContext("draft", vocab_size=V))
-  dec, params = head.drafting_decoder(target, tp, hp)
-  cache = dec.init_cache(params, dec.encode(params, enc), L)
-  x = ar_tokens[:, :4]
-  whole = dec.decode(params, cache, x)
-  for t in range(4):
-    out = dec.decode(params, cache, x[:, t:t + 1])
-    np.testing.assert_allclose(out.logits[:, 0], whole.logits[:, t], atol=1e-5)
-    cache = out.cache
-  np.testing.assert_allclose(whole.logits, target.logits_from_hidden(tp, whole.hidden), atol=1e-5)
-  assert int(whole.cache.lengths[0]) == 4 and int(whole.cache.rewind(jnp.zeros(N, jnp.int32))
-                                                  .lengths[0]) == 0
-
-
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_head_config_and_shipped_head(task):
   from gin_files import shipped_head

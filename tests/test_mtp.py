@@ -184,16 +184,3 @@ def test_demo_modules_config_and_shipped_modules(task):
   cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig, mtp.load)
   assert modules.num_modules == cfg.num_modules
   modules.check_params(params)
-
-
-def test_token_seconds_of_the_heads_that_propose_several_tokens():
-  """The per-token draft cost `experiment.measure_step_times` reads from MTP modules and
-  Medusa heads (they have no single-token decode step to time)."""
-  from spec_decode.heads import medusa
-  target, tp, enc, *_, result = _setup()
-  mtp_s = result.head.token_seconds(target, tp, result.params, enc, gamma=2, position=4,
-                                    cache_length=L, repeats=2)
-  heads = medusa.MedusaHeads(medusa.MedusaConfig.for_target(target, num_heads=2))
-  medusa_s = heads.token_seconds(target, tp, heads.init(jax.random.PRNGKey(0)), enc, gamma=2,
-                                 repeats=2)
-  assert mtp_s > 0 and medusa_s > 0

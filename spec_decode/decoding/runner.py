@@ -50,9 +50,10 @@ class Algorithm:
   """A decoding algorithm: its settings (hashable, jit-static) and its loop.
 
   needs_draft: whether `run` must be given a draft model.
+  drafter: what proposes tokens (a `Drafter`; None: the algorithm drafts none).
   gamma: tokens drafted per target call (None: the algorithm drafts none).
   compact_batch: whether the loop shrinks its batch as rows finish (unsharded runs only).
-  Subclasses make gamma and compact_batch dataclass fields where they have them.
+  Subclasses make drafter, gamma and compact_batch dataclass fields where they have them.
   max_proposal: K, the most tokens one target call verifies beyond the first (None: one
   token per call).
   decode(ctx): the whole decode inside jit -> DecodeResult (see `LoopContext`).
@@ -60,6 +61,7 @@ class Algorithm:
   cost_model(...): the speedup its cost model predicts, or None when it has none.
   """
   needs_draft: ClassVar[bool] = False
+  drafter = None
   gamma = None
   compact_batch = False
 
@@ -80,8 +82,10 @@ class Algorithm:
   def decode(self, ctx: "LoopContext") -> DecodeResult:
     raise NotImplementedError(f"{type(self).__name__} has no loop")
 
-  def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float] | None:
-    """Predicted speedups over autoregressive decoding, or None (no model)."""
+  def cost_model(self, *, alpha: float, draft_cost: float, verify_ratio: float,
+                 counters=None) -> dict[str, Any] | None:
+    """Predicted speedups over autoregressive decoding, or None (no model): see
+    `Speculative.cost_model`."""
     return None
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,72 +185,6 @@ class EagleHead(base.ParamSpecs):
     """Teacher-forced predictions [B, T, D] of T pairs from an empty cache (training)."""
     cache = self.init_cache(params, encoded, features_BTD.shape[1])
     return self.step(params, cache, features_BTD, embeddings_BTD)[0]
-
-  def drafting_decoder(self, target: t5.T5, target_params, params):
-    """(`DraftingDecoder`, its params): the head drafting on its own features as a plain
-    `Decoder`, so generic tools (e.g. `timing.step_time` for c) can run its step."""
-    self.check_target(target)
-    return DraftingDecoder(self, target), {"head": params, "target": target_params}
-
-
-@flax.struct.dataclass
-class DraftingCache:
-  """The head's cache and its last predicted feature [B, D] (what the next token reads)."""
-  head: t5.DecodeCache
-  feature: jax.Array
-
-  @property
-  def lengths(self):
-    return self.head.lengths
-
-  @property
-  def max_length(self) -> int:
-    return self.head.max_length
-
-  def rewind(self, lengths) -> "DraftingCache":
-    return self.replace(head=self.head.rewind(lengths))
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftingDecoder:
-  """An EAGLE head as a `Decoder` over params {'head', 'target'}: each token is paired
-  with the head's previous prediction (zeros at first), exactly the drafting step of
-  `decoding.drafters.eagle` (head block + the target's LM head), without true target
-  features. For measuring and inspecting a head; decoding uses `EagleDrafter`."""
-  head: EagleHead
-  target: t5.T5
-
-  @property
-  def vocab_size(self) -> int:
-    return self.head.vocab_size
-
-  def encode(self, params, encoder_tokens):
-    return self.target.encode(params["target"], encoder_tokens)
-
-  def init_cache(self, params, encoded, max_decode_len: int) -> DraftingCache:
-    cache = self.head.init_cache(params["head"], encoded, max_decode_len)
-    B = cache.lengths.shape[0]
-    return DraftingCache(head=cache,
-                         feature=jnp.zeros((B, self.head.d_model), self.head.config.dtype))
-
-  def decode(self, params, cache: DraftingCache, tokens, *, positions=None, tree_mask=None):
-    if positions is not None or tree_mask is not None:
-      raise ValueError("an EAGLE head drafts chains only (no positions / tree_mask)")
-    tokens = base.check_tokens(tokens, "tokens", self.vocab_size)
-    hp, tp = params["head"], params["target"]
-
-    def one(carry, x_B):
-      head_cache, feature = carry
-      pred, head_cache = self.head.step(hp, head_cache, feature[:, None],
-                                        self.target.embed(tp, x_B[:, None]))
-      return (head_cache, pred[:, 0]), pred[:, 0]
-
-    (head_cache, feature), preds = jax.lax.scan(one, (cache.head, cache.feature),
-                                                jnp.swapaxes(tokens, 0, 1))
-    hidden = jnp.swapaxes(preds, 0, 1)
-    logits = self.target.logits_from_hidden(tp, hidden.astype(self.target.config.dtype))
-    return base.DecodeOutput(logits=logits, cache=DraftingCache(head=head_cache, feature=feature),
-                             hidden=hidden)
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -117,20 +117,6 @@ class MedusaHeads:
     return out.reshape(shape[:-1] + (out.shape[-1],))
 
 
-  def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    repeats: int = 10, compiler_options=None, **unused) -> float:
-    """Marginal seconds per proposed token: one proposal of all K heads (what
-    `MedusaDrafter` runs per target call) divided by gamma."""
-    from spec_decode import timing
-    hidden = jnp.zeros((encoder_tokens.shape[0], self.config.emb_dim), jnp.float32)
-
-    def propose(h):
-      logits = self.logits(params, target, target_params, h)
-      return jnp.mean(logits, axis=(1, 2))[:, None]  # depends on every head's logits
-
-    return timing.loop_seconds(propose, hidden, repeats=repeats,
-                               compiler_options=compiler_options) / gamma
-
 
 # ----------------------------------------------------------------------------- files
 def save(path: str, heads: MedusaHeads, params: Mapping[str, Any], *,

@@ -137,32 +137,6 @@ class MtpModules(base.ParamSpecs):
     logits = target.logits_from_hidden(target_params, h_at.astype(target.config.dtype))
     return h, cache, logits[:, 0]
 
-  def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    position: int, cache_length: int, repeats: int = 10,
-                    compiler_options=None, **unused) -> float:
-    """Marginal seconds per proposed token: one proposal of gamma tokens as
-    `MtpDrafter.propose` runs it (`window_step` of modules 1 .. gamma over a 2 gamma
-    window, caches holding `position` entries), divided by gamma."""
-    from spec_decode import timing
-    encoded = target.encode(target_params, encoder_tokens)
-    B, W = encoder_tokens.shape[0], 2 * gamma
-    caches = [c.replace(lengths=jnp.full((B,), position, jnp.int32))
-              for c in self.init_caches(params, encoded, cache_length + W, gamma)]
-    tokens = jnp.ones((B, W), jnp.int32)
-    at = jnp.full((B,), gamma - 1, jnp.int32)
-
-    def propose(h):
-      out = 0.0
-      for k in range(1, gamma + 1):
-        h, _, logits = self.window_step(params, k, caches[k - 1], h, tokens, at, target,
-                                        target_params)
-        out = out + jnp.mean(logits, axis=1)[:, None, None]
-      return out
-
-    feats = jnp.zeros((B, W, self.d_model), self.config.dtype)
-    return timing.loop_seconds(propose, feats, repeats=repeats,
-                               compiler_options=compiler_options) / gamma
-
 
 # ---------------------------------------------------------------------- checkpoints
 def save(path, modules: MtpModules, params, *, step: int = 0, dtype=None) -> None:
