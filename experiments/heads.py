@@ -39,15 +39,17 @@ from experiments._common import Column, fmt
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
   from spec_decode import data, decoding, metrics, theory
-  from spec_decode.heads import eagle, medusa, mtp
+  import spec_decode.heads  # noqa: F401  (registers the head kinds)
+  from spec_decode.checkpoints import heads as head_checkpoints
   from spec_decode.model_specs import LoadContext, ModelSpec, load
   task_name, input_length, decode_len = setups.DEMO_TASKS[task]
   demo = lambda name: ModelSpec(checkpoint=os.path.join(setups.DEMO_DIR, name), dtype="float32")
   target, tparams = load(demo(f"{task}_target"), LoadContext("target"))
   draft, dparams = load(demo(f"{task}_small"), LoadContext("draft"))
-  heads, hparams = medusa.load(os.path.join(setups.DEMO_DIR, f"{task}_medusa"))
-  eagle_head, eagle_params = eagle.load(os.path.join(setups.DEMO_DIR, f"{task}_eagle"))
-  modules, mparams = mtp.load(os.path.join(setups.DEMO_DIR, f"{task}_mtp"))
+  heads, hparams = head_checkpoints.load(os.path.join(setups.DEMO_DIR, f"{task}_medusa"))
+  eagle_head, eagle_params = head_checkpoints.load(
+      os.path.join(setups.DEMO_DIR, f"{task}_eagle"))
+  modules, mparams = head_checkpoints.load(os.path.join(setups.DEMO_DIR, f"{task}_mtp"))
   gamma = min(args.gamma, heads.num_heads)
   mtp_gamma = min(args.gamma, modules.num_modules)
   examples = data.load_examples(data.get_task(task_name), split=args.split,

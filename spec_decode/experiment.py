@@ -445,13 +445,15 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   (`timing.interleaved`), so ratios are taken within a round.
 
   target_step: T_p, the target's single-token step; proposal[name]: one proposal of each
-  decoder that drafts (its drafter's own `proposal_loop` at its gamma) and c[name] its
-  cost per drafted token over T_p, proposal / (gamma T_p) (for the model drafter the
-  paper's c = T_q / T_p); verify[n] and verify_ratio[n] = T_verify(n) / T_p for every
-  n = K + 1 some decoder verifies at once (K its largest proposal) and every n in
-  verify_tokens. Each entry is a `timing.spread` over the rounds. target_loop: the
-  target's step loop (what it reads: `costs.decode_bytes`). drafts: {name: (draft model,
-  params)} of decoders whose draft is not the workload's.
+  decoder that drafts (its drafter's own `proposal_loop` at its gamma); verify[n]: a target
+  call on n tokens, for every n = K + 1 some decoder verifies at once (K its largest
+  proposal) and every n in verify_tokens. Each is a `timing.spread` over the rounds, its
+  median the cost. From those medians: c[name] = proposal / (gamma T_p), the decoder's
+  cost per drafted token (for the model drafter the paper's c = T_q / T_p), and
+  verify_ratio[n] = T_verify(n) / T_p; c_rounds and verify_ratio_rounds: the spreads of
+  the same ratios taken within each round (their noise). target_loop: the target's step
+  loop (what it reads: `costs.decode_bytes`). drafts: {name: (draft model, params)} of
+  decoders whose draft is not the workload's.
   """
   sizes = sorted({a.max_proposal + 1 for a in decoders.values() if a.max_proposal is not None}
                  | set(verify_tokens))
@@ -469,14 +471,18 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
     loops[f"verify:{n}"] = target(n)
   t = timing.interleaved(loops, repeats=repeats, inner=inner)
   t_p = t["target"]
-  per_round = lambda num, scale=1.0: [a / (scale * b) for a, b in zip(num, t_p)]
+  spreads = {name: timing.spread(v) for name, v in t.items()}
+  median = lambda name: spreads[name]["median"]
+  per_round = lambda num, scale=1.0: timing.spread([a / (scale * b) for a, b in zip(num, t_p)])
   return {
-      "target_step": timing.spread(t_p),
-      "proposal": {n: timing.spread(t[f"proposal:{n}"]) for n in drafting},
-      "c": {n: timing.spread(per_round(t[f"proposal:{n}"], a.gamma))
+      "target_step": spreads["target"],
+      "proposal": {n: spreads[f"proposal:{n}"] for n in drafting},
+      "verify": {n: spreads[f"verify:{n}"] for n in sizes},
+      "c": {n: median(f"proposal:{n}") / (a.gamma * median("target"))
             for n, a in drafting.items()},
-      "verify": {n: timing.spread(t[f"verify:{n}"]) for n in sizes},
-      "verify_ratio": {n: timing.spread(per_round(t[f"verify:{n}"])) for n in sizes},
+      "c_rounds": {n: per_round(t[f"proposal:{n}"], a.gamma) for n, a in drafting.items()},
+      "verify_ratio": {n: median(f"verify:{n}") / median("target") for n in sizes},
+      "verify_ratio_rounds": {n: per_round(t[f"verify:{n}"]) for n in sizes},
       "target_loop": loops["target"][0]}
 
 
@@ -500,21 +506,20 @@ def measure_step_times(s: _Setup, *, repeats: int, verify_tokens=()) -> dict[str
       draft_rules=partitioning.data_parallel_rules(rules) if s.mesh is not None else None,
       compiler_options=cfg.compiler_options)
   costs = step_costs(workload, algorithms, verify_tokens=verify_tokens, repeats=repeats)
-  med = lambda d: {k: v["median"] for k, v in d.items()}
   out: dict[str, Any] = {"target_step_seconds": costs["target_step"]["median"]}
   if costs["proposal"]:
-    out["proposal_seconds"] = med(costs["proposal"])
-    out["c_by_decoder"] = med(costs["c"])
+    out["proposal_seconds"] = {k: v["median"] for k, v in costs["proposal"].items()}
+    out["c_by_decoder"] = dict(costs["c"])
   primary = cfg.primary
   if primary in costs["proposal"]:
     gamma = algorithms[primary].gamma
     out.update(draft_step_seconds=costs["proposal"][primary]["median"] / gamma,
-               c=costs["c"][primary]["median"])
-  out["verify_ratio_by_tokens"] = {str(n): v["median"] for n, v in costs["verify_ratio"].items()}
+               c=costs["c"][primary])
+  out["verify_ratio_by_tokens"] = {str(n): v for n, v in costs["verify_ratio"].items()}
   K = algorithms[primary].max_proposal if primary is not None else None
   if K is not None:
     out["verify_seconds"] = costs["verify"][K + 1]["median"]
-    out["verify_ratio"] = costs["verify_ratio"][K + 1]["median"]
+    out["verify_ratio"] = costs["verify_ratio"][K + 1]
   return out
 
 

@@ -124,8 +124,12 @@ def test_step_costs_time_every_decoder_in_the_same_rounds():
               "medusa": decoding.Speculative(gamma=2, drafter=decoding.MedusaDrafter())}
   costs = experiment.step_costs(w, decoders, drafts={"medusa": (heads["medusa"], hp["medusa"])},
                                 verify_tokens=(2,), repeats=2, steps=2)
-  assert set(costs["proposal"]) == set(costs["c"]) == {"chain", "medusa"}
-  assert set(costs["verify_ratio"]) == {2, 3}
-  for name in ("chain", "medusa"):
-    assert costs["c"][name]["n"] == 2 and costs["c"][name]["median"] > 0
-  assert costs["target_step"]["median"] > 0
+  assert set(costs["proposal"]) == set(costs["c"]) == set(costs["c_rounds"]) == {"chain",
+                                                                                 "medusa"}
+  assert set(costs["verify_ratio"]) == set(costs["verify"]) == {2, 3}
+  t_p = costs["target_step"]["median"]
+  assert t_p > 0 and costs["target_step"]["n"] == 2
+  for name in ("chain", "medusa"):  # c: the medians' ratio, per drafted token
+    assert costs["c"][name] == costs["proposal"][name]["median"] / (2 * t_p) > 0
+    assert costs["c_rounds"][name]["n"] == 2
+  assert costs["verify_ratio"][3] == costs["verify"][3]["median"] / t_p

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from spec_decode import checkpoints, decoding, metrics
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.data import tokenized
 from spec_decode.data import synthetic_tasks
 from spec_decode.models import t5
@@ -75,8 +76,8 @@ def test_demo_checkpoints_load(name):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_demo_eagle_heads_fit_their_targets(task):
-  from spec_decode.heads import eagle
-  head, params = eagle.load(os.path.join(DEMO, f"{task}_eagle"), dtype="float32")
+  head, params = head_checkpoints.load(os.path.join(DEMO, f"{task}_eagle"), kind="eagle",
+                                      dtype="float32")
   tcfg, _ = checkpoints.load(os.path.join(DEMO, f"{task}_target"), dtype="float32")
   head.check_target(t5.T5(tcfg))
   head.check_params(params)

@@ -27,6 +27,7 @@ from spec_decode import decoding, train_data
 from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.decoding.verifiers.chain import greedy_verdict
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import eagle, train_eagle
 from spec_decode.models import t5
 from test_speculative import _check_greedy_rows
@@ -199,21 +200,21 @@ def test_training_resumes_from_its_workdir(tmp_path):
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "head3"))
   resumed = train_eagle.train_head(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
-  head, params = eagle.load(str(tmp_path / "head3"))
+  head, params = head_checkpoints.load(str(tmp_path / "head3"), kind="eagle")
   assert head == resumed.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(resumed.params))
 
 
 def test_checkpoint_round_trip(tmp_path):
   *_, result = _setup()
-  eagle.save(str(tmp_path / "h"), result.head, result.params, step=7)
-  head, params = eagle.load(str(tmp_path / "h"))
+  head_checkpoints.save(str(tmp_path / "h"), result.head, result.params, step=7)
+  head, params = head_checkpoints.load(str(tmp_path / "h"), kind="eagle")
   assert head == result.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(result.params))
-  half, hparams = eagle.load(str(tmp_path / "h"), dtype="bfloat16")
+  half, hparams = head_checkpoints.load(str(tmp_path / "h"), kind="eagle", dtype="bfloat16")
   assert half.config.dtype == jnp.bfloat16 and hparams["fc"]["kernel"].dtype == jnp.bfloat16
   with pytest.raises(ValueError, match="not an EAGLE head"):
-    eagle.load("demo_models/ende_target")
+    head_checkpoints.load("demo_models/ende_target", kind="eagle")
   with pytest.raises(ValueError, match="do not match"):
     head.check_params({"fc": {"kernel": np.zeros((2, 2))}})
 
@@ -275,7 +276,8 @@ def test_eagle_is_registered_and_gin_configurable():
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_head_config_and_shipped_head(task):
   from gin_files import shipped_head
-  _, head, params = shipped_head(task, "eagle", train_eagle.EagleTrainConfig, eagle.load)
+  _, head, params = shipped_head(task, "eagle", train_eagle.EagleTrainConfig,
+                                 head_checkpoints.load)
   head.check_params(params)
 
 

@@ -1,5 +1,6 @@
 """Medusa heads as a drafter: exactness, greedy identity, the hidden-state plumbing, files, training."""
 
+import dataclasses
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 
 import exactness
 from spec_decode import decoding, model_specs, train_data
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import medusa
 from spec_decode.models import t5, testing
 from spec_decode.models.testing import MarkovDecoder
@@ -96,37 +98,70 @@ def test_the_drafter_reads_the_verify_calls_hidden_states():
 
 
 def test_save_load_roundtrip_and_errors(tmp_path):
+  """Medusa heads in the one format of draft heads (`checkpoints.heads`)."""
   target, _ = _target(vocab=32)
   heads, hp = _heads(target)
-  medusa.save(str(tmp_path / "h"), heads, hp, info={"note": "test"})
-  loaded, lp = medusa.load(str(tmp_path / "h"))
+  head_checkpoints.save(str(tmp_path / "h"), heads, hp)
+  loaded, lp = head_checkpoints.load(str(tmp_path / "h"))
   assert loaded == heads
   for k in hp:
     np.testing.assert_array_equal(lp[k], hp[k])
+    assert lp[k].dtype == jnp.float32
   spec_model, spec_params = model_specs.load(
       model_specs.ModelSpec(kind="medusa", checkpoint=str(tmp_path / "h")),
       model_specs.LoadContext("draft", vocab_size=32))
   assert spec_model == heads
-  with pytest.raises(ValueError, match="already holds files"):
-    medusa.save(str(tmp_path / "h"), heads, hp)
-  with pytest.raises(ValueError, match="no Medusa heads"):
-    medusa.load(str(tmp_path / "missing"))
+  with pytest.raises(ValueError, match="not empty"):
+    head_checkpoints.save(str(tmp_path / "h"), heads, hp)
+  with pytest.raises(ValueError, match="not a Medusa heads checkpoint"):
+    head_checkpoints.load(str(tmp_path / "missing"), kind="medusa")
+  other = medusa.MedusaHeads(medusa.MedusaConfig.for_target(target, 5))
+  (tmp_path / "wide").mkdir()
+  for f in os.listdir(tmp_path / "h"):
+    if f != "medusa_config.json":
+      os.symlink(tmp_path / "h" / f, tmp_path / "wide" / f)
+  (tmp_path / "wide" / "medusa_config.json").write_text(json.dumps(other.config.to_json()))
+  with pytest.raises(ValueError, match="do not match"):
+    head_checkpoints.load(str(tmp_path / "wide"))
+
+
+def _save_legacy(path, heads, params):
+  """The Medusa file format before `checkpoints.heads` (medusa.json + params.msgpack)."""
+  from spec_decode.checkpoints import msgpack_codec
+  os.makedirs(path)
+  arrays = {k: np.asarray(v, np.float32) for k, v in params.items()}
+  with open(os.path.join(path, "params.msgpack"), "wb") as f:
+    f.write(msgpack_codec.encode(arrays))
+  meta = {"format": "spec_decode.medusa", "config": dataclasses.asdict(heads.config),
+          "info": {"note": "test"}}
+  with open(os.path.join(path, "medusa.json"), "w", encoding="utf-8") as f:
+    json.dump(meta, f)
+
+
+def test_old_medusa_files_still_load_or_get_a_clear_error(tmp_path):
+  target, _ = _target(vocab=32)
+  heads, hp = _heads(target)
+  _save_legacy(str(tmp_path / "old"), heads, hp)
+  for kind in (None, "medusa"):
+    loaded, lp = head_checkpoints.load(str(tmp_path / "old"), kind=kind)
+    assert loaded == heads
+    for k in hp:
+      np.testing.assert_array_equal(lp[k], hp[k])
   os.makedirs(tmp_path / "partial")
-  (tmp_path / "partial" / medusa.CONFIG_FILE).write_text(
-      (tmp_path / "h" / medusa.CONFIG_FILE).read_text())
+  (tmp_path / "partial" / "medusa.json").write_text((tmp_path / "old" / "medusa.json").read_text())
   with pytest.raises(ValueError, match="partial"):
-    medusa.load(str(tmp_path / "partial"))
-  (tmp_path / "partial" / medusa.PARAMS_FILE).write_bytes(
-      (tmp_path / "h" / medusa.PARAMS_FILE).read_bytes()[:40])
+    head_checkpoints.load(str(tmp_path / "partial"))
+  (tmp_path / "partial" / "params.msgpack").write_bytes(
+      (tmp_path / "old" / "params.msgpack").read_bytes()[:40])
   with pytest.raises(ValueError, match="corrupt"):
-    medusa.load(str(tmp_path / "partial"))
-  meta = json.loads((tmp_path / "h" / medusa.CONFIG_FILE).read_text())
+    head_checkpoints.load(str(tmp_path / "partial"))
+  meta = json.loads((tmp_path / "old" / "medusa.json").read_text())
   meta["config"]["num_heads"] = 5
-  (tmp_path / "partial" / medusa.CONFIG_FILE).write_text(json.dumps(meta))
-  (tmp_path / "partial" / medusa.PARAMS_FILE).write_bytes(
-      (tmp_path / "h" / medusa.PARAMS_FILE).read_bytes())
-  with pytest.raises(ValueError, match="shape"):
-    medusa.load(str(tmp_path / "partial"))
+  (tmp_path / "partial" / "medusa.json").write_text(json.dumps(meta))
+  (tmp_path / "partial" / "params.msgpack").write_bytes(
+      (tmp_path / "old" / "params.msgpack").read_bytes())
+  with pytest.raises(ValueError, match="corrupt.*shape"):
+    head_checkpoints.load(str(tmp_path / "partial"))
 
 
 def test_mismatched_models_and_settings_are_refused():
@@ -162,7 +197,7 @@ def test_training_lowers_the_loss_and_raises_agreement(tmp_path):
   first, last = out["history"][0], out["history"][-1]  # after steps 1 and 40
   assert last["loss"] < first["loss"] - 0.05
   assert last["head2_agreement"] >= first["head2_agreement"]
-  heads, params = medusa.load(str(tmp_path / "heads"))
+  heads, params = head_checkpoints.load(str(tmp_path / "heads"))
   assert heads.num_heads == 2
   np.testing.assert_allclose(params["w"], out["params"]["w"], atol=0)
 
@@ -184,14 +219,14 @@ def test_training_resumes_from_its_workdir(tmp_path):
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "heads3"))
   resumed = medusa.train(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
-  heads, params = medusa.load(str(tmp_path / "heads3"))
+  heads, params = head_checkpoints.load(str(tmp_path / "heads3"))
   np.testing.assert_array_equal(params["w"], np.asarray(resumed["params"]["w"]))
 
 
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_heads_config_and_shipped_heads(task):
   from gin_files import shipped_head
-  cfg, heads, params = shipped_head(task, "medusa", medusa.TrainConfig, medusa.load)
+  cfg, heads, params = shipped_head(task, "medusa", medusa.TrainConfig, head_checkpoints.load)
   assert heads.num_heads == cfg.num_heads
   # trained: the residual blocks moved away from their zero start
   assert float(jnp.abs(params["w"]).max()) > 0

@@ -24,6 +24,7 @@ import pytest
 import exactness as ex
 from spec_decode import decoding
 from spec_decode.decoding.drafters.mtp import MtpDrafter
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import mtp, train_mtp
 from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
@@ -147,17 +148,17 @@ def test_proposals_are_the_teacher_forced_modules():
 def test_checkpoint_round_trip_and_errors(tmp_path):
   from spec_decode import model_specs
   target, tp, enc, *_, result = _setup()
-  mtp.save(str(tmp_path / "m"), result.head, result.params, step=7)
+  head_checkpoints.save(str(tmp_path / "m"), result.head, result.params, step=7)
   modules, params = model_specs.load(
       model_specs.ModelSpec(kind="mtp", checkpoint=str(tmp_path / "m")),
       model_specs.LoadContext("draft", vocab_size=V))
   assert modules == result.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(result.params))
-  half, hparams = mtp.load(str(tmp_path / "m"), dtype="bfloat16")
+  half, hparams = head_checkpoints.load(str(tmp_path / "m"), kind="mtp", dtype="bfloat16")
   assert half.config.dtype == jnp.bfloat16
   assert hparams["mtp_2"]["fc"]["kernel"].dtype == jnp.bfloat16
   with pytest.raises(ValueError, match="not an MTP module checkpoint"):
-    mtp.load("demo_models/ende_target")
+    head_checkpoints.load("demo_models/ende_target", kind="mtp")
   with pytest.raises(ValueError, match="do not match"):
     modules.check_params({"mtp_1": params["mtp_1"]})
   with pytest.raises(ValueError, match="gamma 4 exceeds the 3 MTP modules"):
@@ -181,6 +182,7 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_modules_config_and_shipped_modules(task):
   from gin_files import shipped_head
-  cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig, mtp.load)
+  cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig,
+                                      head_checkpoints.load)
   assert modules.num_modules == cfg.num_modules
   modules.check_params(params)

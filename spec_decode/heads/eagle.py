@@ -12,7 +12,9 @@ s_{t+1} chosen after it,
   f'_{t+1} = final_norm(y_t)                       the predicted f_{t+1}
 
 and the target's own frozen LM head turns f'_{t+1} into logits for s_{t+2}.
-Drafting feeds the head its own predictions f' in place of f.
+Drafting feeds the head its own predictions f' in place of f
+(`decoding.drafters.eagle`); checkpoints are the one format of draft heads
+(`checkpoints.heads`, kind 'eagle').
 
 Head cache entry t holds the pair (f_t, s_{t+1}) at position t, so a head
 cache of length m has consumed the pairs of s_0 .. s_{m-1}: the same length
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import tree_util
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.models import base, t5
 
 
@@ -187,54 +189,5 @@ class EagleHead(base.ParamSpecs):
     return self.step(params, cache, features_BTD, embeddings_BTD)[0]
 
 
-# ---------------------------------------------------------------------- checkpoints
-CONFIG_FILE = "eagle_config.json"
-
-
-def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
-  """Writes the head as a T5X-format checkpoint (the project's writer) plus its config.
-
-  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
-  """
-  save_head(path, head, params, CONFIG_FILE, step=step, dtype=dtype)
-
-
-def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
-  """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
-  return load_head(path, CONFIG_FILE, lambda d: EagleHead(EagleConfig.from_json(d)),
-                   "an EAGLE head", dtype=dtype)
-
-
-def save_head(path, head, params, config_file: str, *, step: int = 0, dtype=None) -> None:
-  """A head (anything with `check_params` and `config.to_json()`) as a T5X-format checkpoint
-  plus `config_file` (its config as JSON) in the new or empty directory `path`."""
-  import json
-
-  from spec_decode.checkpoints import storage, t5x_legacy
-  head.check_params(params)
-  path = storage.normalize(path)
-  storage.check_empty_target(path)
-  flat = {k: np.asarray(v).astype(jnp.dtype(dtype or head.config.dtype))
-          for k, v in tree_util.flatten(jax.device_get(params)).items()}
-  t5x_legacy.write(path, flat, step=step)
-  config = head.config.to_json()
-  if dtype is not None:
-    config["dtype"] = jnp.dtype(dtype).name
-  storage.write_bytes(storage.join(path, config_file), json.dumps(config, indent=1).encode())
-
-
-def load_head(path, config_file: str, make_head, what: str, *, dtype=None):
-  """(head, params) from a directory `save_head` wrote: make_head(config JSON with the
-  loading dtype) builds the head; `what` names it in errors."""
-  import json
-
-  from spec_decode.checkpoints import common, storage, t5x_legacy
-  path = storage.normalize(path)
-  raw = storage.read_bytes(storage.join(path, config_file))
-  if raw is None:
-    raise ValueError(f"{path} is not {what} checkpoint: no {config_file}")
-  dtype = common.resolve_dtype(dtype)
-  head = make_head(dict(json.loads(raw), dtype=jnp.dtype(dtype).name))
-  params = tree_util.unflatten(common.materialize(t5x_legacy.open_arrays(path), dtype))
-  head.check_params(params)
-  return head, params
+head_checkpoints.register("eagle", EagleHead, what="an EAGLE head",
+                          from_config=lambda d: EagleHead(EagleConfig.from_json(d)))

@@ -18,9 +18,8 @@ trained with cross-entropy against the target's own law at position t + k,
 softmax(target logits at t + k), weighted 0.8^(k - 1) (later heads are harder
 and matter less: a chain stops at its first rejection).
 
-Files (`save` / `load`): a directory with `medusa.json` (the head config and
-the target shape it was trained for) and `params.msgpack` (the project's
-msgpack codec; float32 arrays).
+Checkpoints: the one format of draft heads (`checkpoints.heads`, kind 'medusa',
+float32 arrays); directories written before it (`medusa.json`, `params.msgpack`) still load.
 """
 
 from __future__ import annotations
@@ -35,16 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.checkpoints import msgpack_codec
-from spec_decode.models import t5
-
-CONFIG_FILE = "medusa.json"
-PARAMS_FILE = "params.msgpack"
+from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.models import base, t5
 
 
 @dataclasses.dataclass(frozen=True)
 class MedusaConfig:
-  """num_heads K (tokens proposed per call at most), the target's emb_dim and vocab_size."""
+  """num_heads K (tokens proposed per call at most), the target's emb_dim and vocab_size.
+  The heads compute in float32 (`dtype`)."""
   num_heads: int
   emb_dim: int
   vocab_size: int
@@ -60,9 +57,20 @@ class MedusaConfig:
     return cls(num_heads=num_heads, emb_dim=target.config.emb_dim,
                vocab_size=target.config.vocab_size)
 
+  @property
+  def dtype(self):
+    return jnp.dtype(jnp.float32)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d) -> "MedusaConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
 
 @dataclasses.dataclass(frozen=True)
-class MedusaHeads:
+class MedusaHeads(base.ParamSpecs):
   """K heads over a target's final decoder states (hashable: a jit-static draft "model").
 
   It is the draft of `decoding.Speculative(drafter=MedusaDrafter())`: the loop
@@ -79,17 +87,19 @@ class MedusaHeads:
   def num_heads(self) -> int:
     return self.config.num_heads
 
-  def init(self, rng=None) -> dict:
+  def _param_specs(self):
     """Zero residual blocks: every head starts as the target's next-token prediction."""
-    del rng  # deterministic
     K, D = self.config.num_heads, self.config.emb_dim
-    return {"w": jnp.zeros((K, D, D), jnp.float32), "b": jnp.zeros((K, D), jnp.float32)}
+    zeros = jax.nn.initializers.zeros
+    return {"w": ((K, D, D), (None, "embed", "mlp"), zeros), "b": ((K, D), (None, "mlp"), zeros)}
 
-  def param_shapes(self) -> dict:
-    return jax.eval_shape(self.init)
+  def init(self, rng=None) -> dict:
+    """Zero residual blocks (deterministic: rng is unused)."""
+    return super().init(jax.random.PRNGKey(0) if rng is None else rng)
 
-  def logical_axes(self) -> dict:
-    return {"w": (None, "embed", "mlp"), "b": (None, "mlp")}
+  def check_params(self, params) -> None:
+    """Raises ValueError unless `params` has these heads' names and shapes."""
+    self.check_param_names(params, f"Medusa heads ({self.num_heads})")
 
   def check_target(self, target) -> None:
     """ValueError unless `target` is a T5 of this head's emb_dim and vocabulary."""
@@ -117,52 +127,8 @@ class MedusaHeads:
     return out.reshape(shape[:-1] + (out.shape[-1],))
 
 
-
-# ----------------------------------------------------------------------------- files
-def save(path: str, heads: MedusaHeads, params: Mapping[str, Any], *,
-         info: Mapping[str, Any] | None = None) -> None:
-  """Writes the heads into a new or empty directory `path`."""
-  if os.path.isdir(path) and os.listdir(path):
-    raise ValueError(f"{path} already holds files; Medusa heads are saved into a new or "
-                     f"empty directory")
-  os.makedirs(path, exist_ok=True)
-  arrays = {k: np.asarray(v, np.float32) for k, v in jax.device_get(dict(params)).items()}
-  with open(os.path.join(path, PARAMS_FILE), "wb") as f:
-    f.write(msgpack_codec.encode(arrays))
-  meta = {"format": "spec_decode.medusa", "config": dataclasses.asdict(heads.config),
-          "info": dict(info or {})}
-  with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=2)
-    f.write("\n")
-
-
-def load(path: str) -> tuple[MedusaHeads, dict]:
-  """(heads, params) saved by `save`; a clear error for a missing, partial or corrupt directory."""
-  cfg_path, params_path = os.path.join(path, CONFIG_FILE), os.path.join(path, PARAMS_FILE)
-  if not os.path.isfile(cfg_path):
-    raise ValueError(f"no Medusa heads at {path}: {CONFIG_FILE} is missing")
-  if not os.path.isfile(params_path):
-    raise ValueError(f"partial Medusa heads at {path}: {PARAMS_FILE} is missing")
-  try:
-    with open(cfg_path, encoding="utf-8") as f:
-      meta = json.load(f)
-    heads = MedusaHeads(MedusaConfig(**meta["config"]))
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"corrupt {cfg_path}: {e}") from e
-  try:
-    with open(params_path, "rb") as f:
-      arrays = msgpack_codec.decode(f.read())
-  except Exception as e:  # msgpack raises several types on truncated data
-    raise ValueError(f"corrupt {params_path}: {type(e).__name__}: {e}") from e
-  expected = heads.param_shapes()
-  if not isinstance(arrays, dict) or set(arrays) != set(expected):
-    raise ValueError(f"corrupt {params_path}: expected arrays {sorted(expected)}, got "
-                     f"{sorted(arrays) if isinstance(arrays, dict) else type(arrays).__name__}")
-  for k, s in expected.items():
-    if tuple(np.shape(arrays[k])) != s.shape:
-      raise ValueError(f"corrupt {params_path}: {k} has shape {np.shape(arrays[k])}, expected "
-                       f"{s.shape} for {heads.config}")
-  return heads, {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+head_checkpoints.register("medusa", MedusaHeads, what="a Medusa heads", dtype=jnp.float32,
+                          from_config=lambda d: MedusaHeads(MedusaConfig.from_json(d)))
 
 
 # ----------------------------------------------------------------------------- training
@@ -289,11 +255,7 @@ def train(cfg: TrainConfig, *, report: Callable[[str], None] = print, train_spli
   minutes = (time.time() - start) / 60
   report(f"trained to step {int(state.step)} ({minutes:.1f} min)")
   if cfg.export_path:
-    save(cfg.export_path, heads, state.params, info={
-        "target_checkpoint": cfg.target_checkpoint, "task": cfg.task, "steps": cfg.num_steps,
-        "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
-        "teacher_examples": cfg.teacher_examples, "minutes": round(minutes, 2),
-        "eval": {k: round(v, 4) for k, v in final.items()}})
+    head_checkpoints.save(cfg.export_path, heads, state.params, step=int(state.step))
     report(f"saved Medusa heads to {cfg.export_path}")
   return {"heads": heads, "params": state.params, "history": history, "eval": final,
           "minutes": minutes}

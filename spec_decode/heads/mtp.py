@@ -22,7 +22,8 @@ no feature-regression target: the chain of states is the modules' own.
 Drafting (decoding.drafters.mtp): with m tokens committed and f_{m-1} known,
 module k at position m - 1 proposes s_{m+k}, reading the drafts x_1 ..
 x_{k-1} as its look-ahead tokens: a proposal of gamma <= D tokens costs gamma
-module calls and no target call.
+module calls and no target call. Checkpoints are the one format of draft heads
+(`checkpoints.heads`, kind 'mtp').
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import eagle
 from spec_decode.models import base, t5
-
-CONFIG_FILE = "mtp_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +138,5 @@ class MtpModules(base.ParamSpecs):
     return h, cache, logits[:, 0]
 
 
-# ---------------------------------------------------------------------- checkpoints
-def save(path, modules: MtpModules, params, *, step: int = 0, dtype=None) -> None:
-  """Writes the modules as a T5X-format checkpoint plus their config (`mtp_config.json`).
-
-  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
-  """
-  eagle.save_head(path, modules, params, CONFIG_FILE, step=step, dtype=dtype)
-
-
-def load(path, *, dtype=None) -> tuple[MtpModules, dict]:
-  """(modules, params) from a directory `save` wrote; dtype None = float32 on CPU."""
-  return eagle.load_head(path, CONFIG_FILE, lambda d: MtpModules(MtpConfig.from_json(d)),
-                         "an MTP module", dtype=dtype)
+head_checkpoints.register("mtp", MtpModules, what="an MTP module",
+                          from_config=lambda d: MtpModules(MtpConfig.from_json(d)))

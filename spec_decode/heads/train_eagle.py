@@ -20,7 +20,7 @@ features a drafting head's cache holds) and to its own chain's entries of steps
 
 The train state is checkpointed in `workdir` with Orbax (runs resume exactly:
 batches are a function of the step); the final head is written with
-`heads.eagle.save` (T5X format plus its config).
+`checkpoints.heads.save` (T5X format plus its config).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from spec_decode import train, train_data
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import eagle
 from spec_decode.models import t5
 
@@ -312,7 +313,7 @@ def train_head(cfg: EagleTrainConfig, **kw) -> HeadTrainResult:
       describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
                           f"{m['agree_1']:.3f} agree_{cfg.unroll} "
                           f"{m[f'agree_{cfg.unroll}']:.3f}"),
-      save=eagle.save)
+      save=head_checkpoints.save)
   return train_frozen_head(cfg, recipe, **kw)
 
 

@@ -20,7 +20,7 @@ DeepSeek-V3 trains the modules jointly with the main model on data labels with
 equal weights; here the target is frozen and later depths weigh less (a
 drafted chain stops at its first rejection). The train state is checkpointed
 in `workdir` with Orbax (runs resume exactly); the modules are exported with
-`heads.mtp.save` (T5X format plus their config).
+`checkpoints.heads.save` (T5X format plus their config).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import functools
 
 import jax.numpy as jnp
 
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import mtp
 from spec_decode.heads.train_eagle import (HeadRecipe, HeadTrainConfig, HeadTrainResult,
                                            distill_terms, shift_left, target_features,
@@ -81,7 +82,7 @@ def train_modules(cfg: MtpTrainConfig, **kw) -> HeadTrainResult:
       loss=functools.partial(mtp_loss, depth_decay=cfg.depth_decay),
       describe=lambda m: (f"loss {m['loss']:.4f} agree_1 {m['agree_1']:.3f} agree_{D} "
                           f"{m[f'agree_{D}']:.3f}"),
-      save=mtp.save)
+      save=head_checkpoints.save)
   return train_frozen_head(cfg, recipe, **kw)
 
 
