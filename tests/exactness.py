@@ -20,6 +20,17 @@ from spec_decode.models import t5, testing
 from spec_decode.models.testing import MarkovDecoder
 
 P_REJECT = 1e-3  # chi-square significance: exactness fails, a negative control passes, below it
+# The oracles' sample size, their one setting: every sequence-law case samples rows(k) =
+# k x ROWS independent rows (whole output sequences): k 1 for one Markov input, 2/3 for the
+# T5 family's smaller laws, 6/5 for three inputs, 4/3 or 5/3 where a negative control needs
+# the power to be rejected. The slow tier runs them all; the fast tier one small case per
+# verifier and drafter family.
+ROWS = 30_000
+
+
+def rows(k: float = 1.0) -> int:
+  """k x ROWS rows, a whole number."""
+  return int(round(k * ROWS))
 
 MK_V, MK_L = 6, 4
 MK_ENC = np.array([[3, 4, 5, 0], [2, 2, 0, 0], [5, 1, 4, 3]], np.int32)

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import exactness as ex
-from spec_decode import decoding, main
+from spec_decode import decoding
+from spec_decode.cli import gin as gin_layer
 from spec_decode.decoding.drafters import adaptive
 from spec_decode.models import t5
 from spec_decode.models.testing import MarkovDecoder
@@ -52,31 +53,32 @@ class DroppingDrafter(decoding.AdaptiveDrafter):
 
 # name: (family, draft, sampling, gamma, drafter, verifier, encoder inputs, rows, seed)
 CASES = {
-    "schedule_chain_mk_far_t1_g5": ("mk", "far", S(1.0), 5, Adaptive(), CHAIN, 1, 30_000, 400),
+    "schedule_chain_mk_far_t1_g5": ("mk", "far", S(1.0), 5, Adaptive(), CHAIN, 1, ex.rows(),
+                                    400),
     "schedule_block_mk_close_t0.7_g5_3inputs": ("mk", "close", S(0.7), 5, Adaptive(start=2),
-                                                BLOCK, 3, 36_000, 401),
+                                                BLOCK, 3, ex.rows(6 / 5), 401),
     "threshold_chain_mk_far_topk3_g4": ("mk", "far", S(1.0, top_k=3), 4,
                                         Adaptive(rule="threshold", threshold=0.5), CHAIN, 1,
-                                        30_000, 402),
+                                        ex.rows(), 402),
     "threshold_block_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
-                                     Adaptive(rule="threshold", threshold=0.3), BLOCK, 1, 30_000,
-                                     403),
+                                     Adaptive(rule="threshold", threshold=0.3), BLOCK, 1,
+                                     ex.rows(), 403),
     "tuned_chain_mk_far_t0.9_topp0.85_g4": ("mk", "far", S(0.9, top_p=0.85), 4,
                                             Adaptive(rule="tuned", threshold=0.3, step=0.2),
-                                            CHAIN, 1, 30_000, 404),
+                                            CHAIN, 1, ex.rows(), 404),
     "tuned_block_mk_close_t1_g4": ("mk", "close", S(1.0), 4,
                                    Adaptive(rule="tuned", threshold=0.5, step=0.2), BLOCK, 1,
-                                   30_000, 405),
+                                   ex.rows(), 405),
     "tuned_block_t5_far_t1_g3": ("t5", "far", S(1.0), 3,
                                  Adaptive(rule="tuned", threshold=0.3, step=0.2), BLOCK, 1,
-                                 20_000, 406),
+                                 ex.rows(2 / 3), 406),
     # the negative control and its exact twin (same models, keys and threshold)
     "threshold_chain_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
-                                     Adaptive(rule="threshold", threshold=0.2), CHAIN, 1, 30_000,
-                                     407),
+                                     Adaptive(rule="threshold", threshold=0.2), CHAIN, 1,
+                                     ex.rows(), 407),
     "dropping_chain_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
                                     DroppingDrafter(rule="threshold", threshold=0.2), CHAIN, 1,
-                                    30_000, 407),
+                                    ex.rows(), 407),
 }
 
 
@@ -301,7 +303,7 @@ def test_settings_beyond_gamma(kwargs):
 
 
 def test_gin_builds_the_variants():
-  cfg = main.parse_config(["configs/toy_random.gin"], [
+  cfg = gin_layer.parse_experiment(["configs/toy_random.gin"], [
       "a/Speculative.gamma = 6", "a/Speculative.drafter = @a/AdaptiveDrafter()",
       "a/AdaptiveDrafter.rule = 'tuned'", "a/AdaptiveDrafter.threshold = 0.3",
       "b/Speculative.gamma = 4", "b/Speculative.verifier = @BlockVerifier()",

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+import exactness as ex
 from spec_decode import decoding
 from spec_decode.decoding import Sampling, runner
 from spec_decode.models import base, t5
@@ -74,7 +75,7 @@ def test_sampled_pairs_follow_model_distribution():
   model = t5.T5(cfg)
   params = model.init(jax.random.PRNGKey(2))
   s = Sampling(temperature=1.0)
-  V, n = cfg.vocab_size, 30_000
+  V, n = cfg.vocab_size, ex.rows()
   enc1 = np.array([[3, 4, 5, 2]], np.int32)
   r = decoding.autoregressive(model, params, np.repeat(enc1, n, 0), max_decode_len=2,
                               sampling=s, rng=jax.random.PRNGKey(5))

@@ -39,7 +39,7 @@ SE_BOUND = 4.0
 
 # ------------------------------------------------------------------ the formulas
 def _reference(p, q, x, length):
-  """float64 (P [B, K], h [B, K]) straight from the issue's formulas."""
+  """float64 (P [B, K], h [B, K]) straight from the formulas (`verifiers/block.py`)."""
   p, q = p.astype(np.float64), q.astype(np.float64)
   B, K = x.shape
   P, h = np.zeros((B, K)), np.zeros((B, K))
@@ -239,11 +239,11 @@ class FirstFailureBlock(decoding.BlockVerifier):
 S = decoding.Sampling
 # name: (family, draft, sampling, gamma, encoder inputs, rows, seed)
 CASES = {
-    "mk_far_t1_g3": ("mk", "far", S(1.0), 3, 1, 30_000, 300),
-    "mk_close_t0.7_g5_3inputs": ("mk", "close", S(0.7), 5, 3, 36_000, 301),
-    "mk_far_topk3_g4": ("mk", "far", S(1.0, top_k=3), 4, 1, 30_000, 302),
-    "mk_far_t0.9_topp0.85_g3": ("mk", "far", S(0.9, top_p=0.85), 3, 1, 30_000, 303),
-    "t5_far_t1_g3": ("t5", "far", S(1.0), 3, 1, 20_000, 304),
+    "mk_far_t1_g3": ("mk", "far", S(1.0), 3, 1, ex.rows(), 300),
+    "mk_close_t0.7_g5_3inputs": ("mk", "close", S(0.7), 5, 3, ex.rows(6 / 5), 301),
+    "mk_far_topk3_g4": ("mk", "far", S(1.0, top_k=3), 4, 1, ex.rows(), 302),
+    "mk_far_t0.9_topp0.85_g3": ("mk", "far", S(0.9, top_p=0.85), 3, 1, ex.rows(), 303),
+    "t5_far_t1_g3": ("t5", "far", S(1.0), 3, 1, ex.rows(2 / 3), 304),
 }
 
 

@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from spec_decode import decoding, experiment, report, theory
+from spec_decode import decoding, experiment, theory
 from spec_decode.decoding import timing
+from spec_decode.experiment import report
 from spec_decode.heads import eagle, medusa, mtp
 from spec_decode.models import t5
 
@@ -96,7 +97,7 @@ def test_report_charges_each_decoder_its_own_proposal():
   tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3), verifier=decoding.TreeVerifier())
   cfg = types.SimpleNamespace(algorithms={"autoregressive": decoding.Autoregressive(),
                                           "chain": chain, "tree": tree},
-                              baseline="autoregressive")
+                              baseline_name="autoregressive")
   stats = {"target_calls": 2, "draft_tokens": 4, "accepted": 3, "decisions": 4,
            "min_pq_sum": 3.2, "accepted_at": [2, 1, 0, 0], "decided_at": [2, 2, 0, 0]}
   row = {"decoders": {"autoregressive": {"stats": {"target_calls": 5}, "length": 5,

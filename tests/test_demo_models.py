@@ -21,8 +21,8 @@ import pytest
 
 from spec_decode import checkpoints, decoding, metrics
 from spec_decode.checkpoints import heads as head_checkpoints
-from spec_decode.data import tokenized
 from spec_decode.data import synthetic_tasks
+from spec_decode.data import tokenized
 from spec_decode.models import t5
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

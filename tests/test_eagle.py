@@ -23,13 +23,17 @@ import numpy as np
 import pytest
 
 import exactness as ex
-from spec_decode import decoding, train_data
+from spec_decode import decoding
+from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.cli import gin as gin_layer
+from spec_decode.data.tokenized import TokenizedSplit
 from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.decoding.verifiers.chain import greedy_verdict
-from spec_decode.checkpoints import heads as head_checkpoints
-from spec_decode.heads import eagle, train_eagle
+from spec_decode.heads import eagle
 from spec_decode.models import t5
+from spec_decode.train import eagle as train_eagle
+from spec_decode.train import heads as train_heads
 from test_speculative import _check_greedy_rows
 
 V, N, S, L = 8, 16, 6, 12
@@ -51,7 +55,7 @@ def tiny_target_and_split():
     enc[row, n:] = 0
   ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
   ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
-  split = train_data.TokenizedSplit(
+  split = TokenizedSplit(
       tuple(tuple(int(t) for t in row[row > 0]) for row in enc),
       tuple(tuple(int(t) for t in row[:n]) for row, n in zip(ar_tokens, ar_lengths)))
   return target, tp, enc, ar_tokens, ar_lengths, split
@@ -64,7 +68,7 @@ def _setup():
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=60, input_length=S,
                                      target_length=L, learning_rate=3e-3, warmup_steps=5,
                                      log_every=10, eval_every=1000, eval_examples=N)
-  result = train_eagle.train_head(cfg, report=lambda s: None, train_split=split,
+  result = train_eagle.train(cfg, report=lambda s: None, train_split=split,
                                   eval_split=split, target=target, target_params=tp)
   return target, tp, enc, ar_tokens, ar_lengths, result
 
@@ -73,7 +77,7 @@ def _teacher_features(target, tp, enc, tokens):
   """(decoder inputs [BOS, tokens[:, :-1]], encoder output, the target's features) of
   teacher-forcing `tokens`."""
   dec_in = np.concatenate([np.zeros((tokens.shape[0], 1), np.int32), tokens[:, :-1]], axis=1)
-  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  encoded, feats, _ = train_heads.target_features(target, tp, enc, dec_in)
   return dec_in, encoded, feats
 
 
@@ -190,15 +194,15 @@ def test_training_time_test_matches_drafting():
 
 def test_training_resumes_from_its_workdir(tmp_path):
   target, tp, *_ = _setup()
-  split = train_data.TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=2, num_steps=2, input_length=4,
                                      target_length=4, workdir=str(tmp_path / "w"),
                                      export_path=str(tmp_path / "head"))
   kw = dict(train_split=split, eval_split=split, target=target, target_params=tp)
-  train_eagle.train_head(cfg, report=lambda s: None, **kw)
+  train_eagle.train(cfg, report=lambda s: None, **kw)
   messages = []
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "head3"))
-  resumed = train_eagle.train_head(more, report=messages.append, **kw)
+  resumed = train_eagle.train(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
   head, params = head_checkpoints.load(str(tmp_path / "head3"), kind="eagle")
   assert head == resumed.head
@@ -262,9 +266,8 @@ def test_empty_proposal_is_a_plain_step():
 def test_eagle_is_registered_and_gin_configurable():
   import gin
 
-  from spec_decode import main
   assert decoding.registry.get("drafter", "eagle") == EagleDrafter()
-  main.register_gin()
+  gin_layer.register_gin()
   gin.clear_config()
   gin.parse_config("eagle/Speculative.drafter = @EagleDrafter()\neagle/Speculative.gamma = 5")
   with gin.config_scope("eagle"):

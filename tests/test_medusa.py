@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 import exactness
-from spec_decode import decoding, model_specs, train_data
+from spec_decode import decoding
 from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.data.tokenized import TokenizedSplit
+from spec_decode.experiment import model_specs
 from spec_decode.heads import medusa
 from spec_decode.models import t5, testing
 from spec_decode.models.testing import MarkovDecoder
+from spec_decode.train import medusa as train_medusa
 
 
 def _target(vocab=7, seed=0):
@@ -188,18 +191,18 @@ def test_training_lowers_the_loss_and_raises_agreement(tmp_path):
   checkpoints.save(str(tmp_path / "target"), target.config, tp, format="t5x")
   rng = np.random.default_rng(0)
   inputs = tuple(tuple(int(t) for t in rng.integers(3, 32, size=6)) + (1,) for _ in range(64))
-  split = train_data.TokenizedSplit(inputs, tuple((5, 1) for _ in inputs))
-  cfg = medusa.TrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
+  split = TokenizedSplit(inputs, tuple((5, 1) for _ in inputs))
+  cfg = train_medusa.MedusaTrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
                            export_path=str(tmp_path / "heads"), num_heads=2, num_steps=40,
                            batch_size=16, learning_rate=1e-2, input_length=8, target_length=8,
                            teacher_examples=64, eval_examples=32, log_every=1)
-  out = medusa.train(cfg, report=lambda msg: None, train_split=split, eval_split=split)
-  first, last = out["history"][0], out["history"][-1]  # after steps 1 and 40
+  out = train_medusa.train(cfg, report=lambda msg: None, train_split=split, eval_split=split)
+  first, last = out.history[0], out.history[-1]  # after steps 1 and 40
   assert last["loss"] < first["loss"] - 0.05
   assert last["head2_agreement"] >= first["head2_agreement"]
   heads, params = head_checkpoints.load(str(tmp_path / "heads"))
   assert heads.num_heads == 2
-  np.testing.assert_allclose(params["w"], out["params"]["w"], atol=0)
+  np.testing.assert_allclose(params["w"], out.params["w"], atol=0)
 
 
 def test_training_resumes_from_its_workdir(tmp_path):
@@ -208,25 +211,25 @@ def test_training_resumes_from_its_workdir(tmp_path):
   from spec_decode import checkpoints
   target, tp = _target(vocab=32, seed=3)
   checkpoints.save(str(tmp_path / "target"), target.config, tp, format="t5x")
-  split = train_data.TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
-  cfg = medusa.TrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
+  split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  cfg = train_medusa.MedusaTrainConfig(target_checkpoint=str(tmp_path / "target"), task="unused",
                            num_heads=2, num_steps=2, batch_size=2, input_length=4,
                            target_length=4, teacher_examples=2, eval_examples=2,
                            workdir=str(tmp_path / "w"))
   kw = dict(train_split=split, eval_split=split)
-  medusa.train(cfg, report=lambda s: None, **kw)
+  train_medusa.train(cfg, report=lambda s: None, **kw)
   messages = []
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "heads3"))
-  resumed = medusa.train(more, report=messages.append, **kw)
+  resumed = train_medusa.train(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
   heads, params = head_checkpoints.load(str(tmp_path / "heads3"))
-  np.testing.assert_array_equal(params["w"], np.asarray(resumed["params"]["w"]))
+  np.testing.assert_array_equal(params["w"], np.asarray(resumed.params["w"]))
 
 
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_heads_config_and_shipped_heads(task):
   from gin_files import shipped_head
-  cfg, heads, params = shipped_head(task, "medusa", medusa.TrainConfig, head_checkpoints.load)
+  cfg, heads, params = shipped_head(task, "medusa", train_medusa.MedusaTrainConfig, head_checkpoints.load)
   assert heads.num_heads == cfg.num_heads
   # trained: the residual blocks moved away from their zero start
   assert float(jnp.abs(params["w"]).max()) > 0

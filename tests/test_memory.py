@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_decode import decoding, memory, partitioning
+from spec_decode import decoding, partitioning
+from spec_decode.experiment import memory
 from spec_decode.models import t5
 
 
@@ -31,7 +32,7 @@ def test_xxl_small_command(tmp_path):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
   env.pop("XLA_FLAGS", None)  # the command re-executes itself with 8 CPU devices
   proc = subprocess.run(
-      [sys.executable, "-m", "spec_decode.memory", "--target=t5_1_1_xxl", "--draft=t5_1_1_small",
+      [sys.executable, "-m", "spec_decode.cli.memory", "--target=t5_1_1_xxl", "--draft=t5_1_1_small",
        "--mesh=data=1,model=8", "--batch=1", "--input_len=512", "--output_len=256", "--gamma=7",
        "--dtype=bfloat16", "--depth=1", f"--json_out={out}"],
       env=env, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,6 @@ import sacrebleu
 from rouge_score import rouge_scorer, scoring
 
 from spec_decode import metrics
-
 from spec_decode.decoding import timing
 from spec_decode.models import ngram, t5
 

@@ -23,9 +23,10 @@ import pytest
 
 import exactness as ex
 from spec_decode import decoding
-from spec_decode.decoding.drafters.mtp import MtpDrafter
 from spec_decode.checkpoints import heads as head_checkpoints
-from spec_decode.heads import mtp, train_mtp
+from spec_decode.decoding.drafters.mtp import MtpDrafter
+from spec_decode.heads import mtp
+from spec_decode.train import mtp as train_mtp
 from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
 
@@ -44,7 +45,7 @@ def _setup():
   cfg = train_mtp.MtpTrainConfig(num_modules=D, batch_size=16, num_steps=60, input_length=S,
                                  target_length=L, learning_rate=3e-3, warmup_steps=5,
                                  log_every=10, eval_every=1000, eval_examples=N)
-  result = train_mtp.train_modules(cfg, report=lambda s: None, train_split=split,
+  result = train_mtp.train(cfg, report=lambda s: None, train_split=split,
                                    eval_split=split, target=target, target_params=tp)
   return target, tp, enc, ar_tokens, ar_lengths, result
 
@@ -146,7 +147,7 @@ def test_proposals_are_the_teacher_forced_modules():
 
 
 def test_checkpoint_round_trip_and_errors(tmp_path):
-  from spec_decode import model_specs
+  from spec_decode.experiment import model_specs
   target, tp, enc, *_, result = _setup()
   head_checkpoints.save(str(tmp_path / "m"), result.head, result.params, step=7)
   modules, params = model_specs.load(

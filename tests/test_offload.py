@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spec_decode import checkpoints, decoding, model_specs, partitioning
+from spec_decode import checkpoints, decoding, partitioning
 from spec_decode.decoding import runner
+from spec_decode.experiment import model_specs
 from spec_decode.models import offload, t5
 
 PRESET = "t5_1_1_tiny"

@@ -20,17 +20,18 @@ import jax
 import numpy as np
 import pytest
 
+import exactness as ex
 from spec_decode import decoding
 from spec_decode.models import t5
 from spec_decode.models import testing
 from spec_decode.models.testing import MarkovDecoder
 
-P_REJECT = 1e-3  # chi-square significance: exactness fails, a negative control passes, below it
+P_REJECT = ex.P_REJECT
 SE_BOUND = 4.0  # estimator agreement: |accepted - sum beta| within this many standard errors
 
 # ---------------------------------------------------------------------------- models
-T5_V, T5_L, T5_B = 7, 3, 20_000
-MK_V, MK_L, MK_B = 6, 4, 50_000
+T5_V, T5_L, T5_B = 7, 3, ex.rows(2 / 3)
+MK_V, MK_L, MK_B = 6, 4, ex.rows(5 / 3)
 T5_ENC = np.array([[3, 4, 5, 2, 6, 0, 0], [2, 6, 3, 3, 5, 4, 2]], np.int32)  # one padded
 MK_ENC = np.array([[3, 4, 5, 0], [2, 2, 0, 0], [5, 1, 4, 3]], np.int32)
 

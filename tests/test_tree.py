@@ -99,7 +99,7 @@ def test_greedy_tree_equals_autoregressive(kw):
   assert np.asarray(st.accepted).sum() > 0
 
 
-MK_V, MK_L, MK_N = 6, 4, 40_000
+MK_V, MK_L, MK_N = 6, 4, ex.rows(4 / 3)
 MK_ENC = np.array([[3, 4, 5, 0]], np.int32)
 
 

@@ -31,7 +31,7 @@ from spec_decode.decoding import registry, runner
 from spec_decode.decoding.drafters.sampled_tree import tree_shape
 from spec_decode.decoding.types import Committed
 
-ROWS = 30_000
+ROWS = ex.rows()
 SE_BOUND = 4.0
 
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.models import base, t5

@@ -16,7 +16,7 @@ and the target's own frozen LM head turns h^k_t into the law of s_{t+k+1}
 keeps the causal chain of the ones before it). Each module has the shape and
 parameter names of an EAGLE head (`heads.eagle`); module k's parameters are
 under `mtp_{k}/`. Unlike an EAGLE head, module k is a different network for
-each depth k and is trained teacher-forced on true tokens (`train_mtp`), with
+each depth k and is trained teacher-forced on true tokens (`train.mtp`), with
 no feature-regression target: the chain of states is the modules' own.
 
 Drafting (decoding.drafters.mtp): with m tokens committed and f_{m-1} known,

@@ -23,10 +23,13 @@ import jax
 import jax.numpy as jnp
 
 import spec_decode.heads  # noqa: F401  (every head network registers its checkpoint kind)
+from spec_decode import configurable
 from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.models import offload, t5
+from spec_decode.paths import resolve_checkpoint
 
 
+@configurable.register
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """A model to load.
@@ -148,21 +151,6 @@ def load(spec: ModelSpec, context: LoadContext) -> tuple[Any, Any]:
     raise ValueError(f"the {context.role} ({spec.label}) has vocab_size {model.vocab_size}, "
                      f"expected {context.vocab_size}")
   return model, params
-
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def resolve_checkpoint(path) -> str:
-  """`path` itself if it exists (or is a URL), else relative to the repository root if there.
-
-  So configs can name the shipped demo_models/... and run from any directory.
-  """
-  path = os.fspath(path)
-  if "://" in path or os.path.isabs(path) or os.path.exists(path):
-    return path
-  in_repo = os.path.join(_REPO_ROOT, path)
-  return in_repo if os.path.exists(in_repo) else path
 
 
 def checkpoint_fingerprint(spec: ModelSpec, *, small_file_bytes: int = 1 << 20) -> str | None:
