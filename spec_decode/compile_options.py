@@ -14,13 +14,13 @@ jaxlibs keep working with XLA's own defaults.
 a mapping (e.g. {} for XLA's defaults) is used as given.
 
 `unroll_threefry_on_cpu()` (called when `spec_decode.decoding` is imported): JAX lowers
-its Threefry hash on CPU as a rolled 5-step while loop (cheap to compile), so every random
-draw inside a decoding loop runs a nested loop of ~16 kernels per step. A sampled
+its Threefry hash on CPU as a rolled 5-step while loop (cheap to compile), so every
+random draw inside a decoding loop runs a nested loop of ~16 kernels per step. A sampled
 speculative iteration of the demo pair draws 7-10 times (row keys, splits, the draft's
 samples, the acceptance uniforms, the residual draw) and ran ~1,600 kernels against ~680
 greedy; with the unrolled lowering JAX uses on other backends it runs ~840 (a sampled
-decode's time moves towards its greedy one). The hash is the same, so every random bit is unchanged (tests/test_compile_options.py); a
-call costs some more compile time.
+decode's time moves towards its greedy one). The hash is the same, so every random bit
+is unchanged (tests/test_compile_options.py); a call costs some more compile time.
 SPEC_DECODE_UNROLLED_THREEFRY=0 keeps JAX's lowering.
 """
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.cli import gin as gin_layer
 from spec_decode.decoding.drafters import adaptive
@@ -95,7 +96,8 @@ def _mean_drafted(result) -> float:
   return float(np.sum(result.stats.draft_tokens) / np.sum(result.stats.target_calls))
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("dropping")])
+@pytest.mark.parametrize("name", tiered([n for n in CASES if not n.startswith("dropping")],
+                                         fast=("threshold_chain_mk_far_t1_g4",)))
 def test_adaptive_length_is_exact(name):
   result, groups, laws = _run(name)
   gamma = CASES[name][3]
@@ -107,6 +109,7 @@ def test_adaptive_length_is_exact(name):
   assert np.all(np.asarray(result.stats.decisions) <= np.asarray(result.stats.draft_tokens))
 
 
+@pytest.mark.slow
 def test_negative_control_dropping_the_low_probability_token_is_rejected():
   result, groups, laws = _run("dropping_chain_mk_far_t1_g4")
   fit = ex.fit("dropping drafter (negative control)", groups, laws)
@@ -131,10 +134,13 @@ def _greedy_setup():
 
 
 # (test_block_verification shows the block verifier equals the chain one at temperature 0)
-@pytest.mark.parametrize("drafter,verifier", [
+_GREEDY_IDS = ["schedule_block", "threshold_chain", "tuned_block"]
+
+
+@pytest.mark.parametrize("drafter,verifier", tiered([
     (Adaptive(start=1), BLOCK), (Adaptive(rule="threshold", threshold=0.4), CHAIN),
-    (Adaptive(rule="tuned", threshold=0.4, step=0.1), BLOCK)],
-    ids=["schedule_block", "threshold_chain", "tuned_block"])
+    (Adaptive(rule="tuned", threshold=0.4, step=0.1), BLOCK)], fast=("threshold_chain",),
+    ids=_GREEDY_IDS))
 def test_greedy_equals_autoregressive(drafter, verifier):
   target, tp, (dm, dp), enc, ar = _greedy_setup()
   got = decoding.run(decoding.Speculative(gamma=5, drafter=drafter, verifier=verifier), target,
@@ -176,6 +182,7 @@ def _schedule_totals(lengths, calls):
   return np.array([sum(lengths[:c]) for c in calls])
 
 
+@pytest.mark.slow
 def test_schedule_lengths():
   # The target as its own draft: every block is accepted, lengths 1, 3, 5, 5, ...
   full = _long_run(Adaptive(start=1), "same", verifier=CHAIN)
@@ -239,6 +246,7 @@ def test_tuned_threshold_update():
   np.testing.assert_array_equal(fixed.threshold, state.threshold)
 
 
+@pytest.mark.slow
 def test_row_alone_equals_row_in_batch():
   # The draft loop ends when the whole batch has stopped; a row's output must not care.
   drafter = Adaptive(rule="tuned", threshold=0.4, step=0.2)
@@ -258,6 +266,7 @@ def test_row_alone_equals_row_in_batch():
   assert len(set(np.asarray(batch.stats.draft_tokens).tolist())) > 3
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded():
   from spec_decode import partitioning
   target, tp = ex.markov_models()["target"]

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.verifiers import block
@@ -256,7 +257,7 @@ def _run(name, verifier=decoding.BlockVerifier()):
   return result, groups, ex.target_laws(fam, n_inputs, sampling)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(list(CASES), fast=("mk_far_t1_g3",)))
 def test_block_verification_is_exact(name):
   _, groups, laws = _run(name)
   fit = ex.fit(f"block {name}", groups, laws)
@@ -264,6 +265,7 @@ def test_block_verification_is_exact(name):
   assert fit.p_value >= ex.P_REJECT, fit
 
 
+@pytest.mark.slow
 def test_negative_control_first_failure_is_rejected():
   _, groups, laws = _run("mk_far_t1_g3", FirstFailureBlock())
   fit = ex.fit("first-failure block mk_far_t1_g3 (negative control)", groups, laws)
@@ -278,6 +280,7 @@ def _rates(result):
           "alpha": np.sum(st.min_pq_sum) / dec, "decisions": dec, "calls": calls}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mk_far_t1_g3", "mk_close_t0.7_g5_3inputs"])
 def test_block_beats_token_level_with_the_same_alpha(name):
   block_r, chain_r = _run(name)[0], _run(name, decoding.ChainVerifier())[0]
@@ -347,7 +350,8 @@ def _greedy_setup():
                       "markov": (markov, markov.init(jax.random.PRNGKey(22)))}, enc, ar
 
 
-@pytest.mark.parametrize("draft,gamma", [("t5", 3), ("markov", 5)])
+@pytest.mark.parametrize("draft,gamma", tiered([("t5", 3), ("markov", 5)],
+                                               fast=(("markov", 5),)))
 def test_greedy_block_equals_token_level_and_autoregressive(draft, gamma):
   target, tp, drafts, enc, ar = _greedy_setup()
   dm, dp = drafts[draft]

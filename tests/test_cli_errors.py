@@ -24,6 +24,7 @@ def _cli(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_misspelled_macro_is_one_line_exit_2_and_verbose_shows_traceback(tmp_path):
   proc = _cli(f"--gin_file={TOY}", "--gin.GAMA=9", f"--output_dir={tmp_path / 'o'}")
   assert proc.returncode == 2
@@ -208,6 +209,7 @@ def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
   assert run_status.recorded_step_times(out) == {"c": 0.2}
 
 
+@pytest.mark.slow
 def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_path):
   """The no-argument job (2 examples): progress lines from the start, no platform-probing
   noise or config dump, one summary block saying where the files are; no TensorFlow."""
@@ -263,6 +265,7 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
     ("spec_decode.cli.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.cli.memory: "
      "error: FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
 ])
+@pytest.mark.slow
 def test_other_command_lines_end_known_errors_in_one_line(module, args, match):
   proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=300)

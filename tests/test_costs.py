@@ -42,12 +42,15 @@ def _workload(kind: str, temperature: float = 0.0) -> timing.Workload:
                          sampling=decoding.Sampling(temperature=temperature))
 
 
-DRAFTERS = [("model", decoding.ModelDrafter()), ("model", decoding.TreeDrafter(budget=4, depth=3)),
+DRAFTERS = [("model", decoding.ModelDrafter()),
+            ("model", decoding.TreeDrafter(budget=4, depth=3)),
             ("model", decoding.SampledTreeDrafter(width=2, depth=2)),
-            ("eagle", decoding.EagleDrafter()), ("eagle", decoding.EagleTreeDrafter(budget=4, depth=3)),
+            ("eagle", decoding.EagleDrafter()),
+            ("eagle", decoding.EagleTreeDrafter(budget=4, depth=3)),
             ("medusa", decoding.MedusaDrafter()), ("mtp", decoding.MtpDrafter())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,drafter", DRAFTERS, ids=[type(d).__name__ for _, d in DRAFTERS])
 def test_every_drafter_times_its_own_proposal(kind, drafter):
   temperature = 1.0 if isinstance(drafter, decoding.SampledTreeDrafter) else 0.0
@@ -80,7 +83,8 @@ def test_cost_model_of_a_chain_is_thm_3_8_and_a_tree_predicts_its_own_yield():
   assert chain["cost_model"] == pytest.approx(
       float(theory.cost_model_improvement(alpha, gamma, c, {gamma + 1: ratio})))
   assert chain["optimal_gamma"] == int(theory.optimal_gamma(alpha, c))
-  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3), verifier=decoding.TreeVerifier())
+  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3),
+                              verifier=decoding.TreeVerifier())
   counters = {"target_calls": 4, "draft_mass_at": [4.0, 2.0, 2.0, 0.0]}
   model = tree.cost_model(alpha=alpha, draft_cost=3.0, verify_ratio=2.0, counters=counters)
   assert model["expected_tokens"] == pytest.approx(3.0)  # not the chain's E[tokens](0.8, 4)
@@ -94,7 +98,8 @@ def test_cost_model_of_a_chain_is_thm_3_8_and_a_tree_predicts_its_own_yield():
 
 def test_report_charges_each_decoder_its_own_proposal():
   chain = decoding.Speculative(gamma=2)
-  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3), verifier=decoding.TreeVerifier())
+  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3),
+                              verifier=decoding.TreeVerifier())
   cfg = types.SimpleNamespace(algorithms={"autoregressive": decoding.Autoregressive(),
                                           "chain": chain, "tree": tree},
                               baseline_name="autoregressive")
@@ -118,6 +123,7 @@ def test_report_charges_each_decoder_its_own_proposal():
   assert d["chain"]["c"] == 0.2 and d["tree"]["c"] == 0.75
 
 
+@pytest.mark.slow
 def test_step_costs_time_every_decoder_in_the_same_rounds():
   w = _workload("model")
   _, _, _, _, heads, hp, _ = _models()

@@ -82,12 +82,13 @@ def _teacher_features(target, tp, enc, tokens):
 
 
 def test_outputs_are_ragged_and_end_with_eos():
-  *_, ar_tokens, ar_lengths, _ = _setup()
+  *_, ar_tokens, ar_lengths, _ = tiny_target_and_split()
   assert len(set(ar_lengths.tolist())) > 1
   ended = [r for r in range(N) if ar_lengths[r] < L]
   assert ended and all(ar_tokens[r, ar_lengths[r] - 1] == t5.EOS_ID for r in ended)
 
 
+@pytest.mark.slow
 def test_training_loss_decreases():
   *_, result = _setup()
   losses = [h["loss"] for h in result.history]
@@ -117,6 +118,7 @@ def _random_head(target):
   return head, head.init(jax.random.PRNGKey(5))
 
 
+@pytest.mark.slow
 def test_sequence_law_is_exact_at_temperature_1():
   fit, result = ex.head_law_fit(_speculative(gamma=2), _random_head, "eagle t5 T=1")
   assert fit.p_value > ex.P_REJECT
@@ -173,6 +175,7 @@ def test_target_features_come_from_the_verify_call_alone():
   assert checked >= int(np.sum(lengths))  # every committed position was seen at least once
 
 
+@pytest.mark.slow
 def test_training_time_test_matches_drafting():
   """Unroll step 1 = the head's teacher-forced forward; unroll step 2 at query i = the
   head drafting one token ahead from a cache holding the true pairs 0 .. i."""
@@ -192,6 +195,7 @@ def test_training_time_test_matches_drafting():
     np.testing.assert_allclose(step2[:, i], pred[:, 0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_resumes_from_its_workdir(tmp_path):
   target, tp, *_ = _setup()
   split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
@@ -289,6 +293,7 @@ def _tree_speculative(**tree):
                               verifier=decoding.TreeVerifier())
 
 
+@pytest.mark.slow
 def test_tree_step_equals_the_chain_along_each_path():
   """EagleHead.step on a tree (positions m + depth - 1, ancestor mask): every node's
   prediction equals a chain step over its own path from the same cache."""
@@ -316,6 +321,7 @@ def test_tree_step_equals_the_chain_along_each_path():
     np.testing.assert_allclose(tree[:, i], chain[:, -1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_width_1_tree_is_the_chain_drafter():
   """A one-child-per-node tree grown for gamma rounds is the chain drafter's proposal, so
   the greedy decode (tokens, target calls, acceptances per row) is the chain's: the tree
@@ -343,6 +349,7 @@ def test_tree_greedy_equals_autoregressive_and_accepts_more():
   assert int(np.sum(out.stats.target_calls)) <= int(np.sum(chain.stats.target_calls))
 
 
+@pytest.mark.slow
 def test_tree_sequence_law_is_exact_at_temperature_1():
   algo = _tree_speculative(budget=6, width=2, expand=2, depth=3, steps=3)
   fit, result = ex.head_law_fit(algo, _random_head, "eagle tree t5 T=1")
@@ -361,6 +368,7 @@ class _RecordingTreeDrafter(EagleTreeDrafter):
     return new
 
 
+@pytest.mark.slow
 def test_tree_commit_feeds_the_head_the_accepted_paths_states():
   """After each commit of a wide tree, the head's predicted feature equals its
   teacher-forced prediction on the TRUE target states of the output: the target states

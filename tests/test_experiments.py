@@ -185,6 +185,7 @@ def test_reproduce_table1_is_the_theory(out):
     np.testing.assert_allclose(row["sim_speed"], row["speed"], rtol=0.02)  # 200k steps
 
 
+@pytest.mark.slow
 def test_reproduce_tables_2_to_5_tiny(out):
   paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
                           "--rows", "ende_small_t1,ende_small,small",
@@ -232,6 +233,7 @@ _TINY_MODELS = ["--target", "t5_1_1_tiny", "--draft", "t5_1_1_tiny", "--vocab_si
 # The drivers below decode with the tiny scale's shapes and settings where they can (gamma 7,
 # temperature 1, 24 input / 10 output tokens, batch 1), so they reuse the programs the
 # reproduce test compiled: only the shapes they add (step calls, batch 2) compile anew.
+@pytest.mark.slow
 def test_benchmark_tiny(out):
   paths = benchmark.main(_TINY_MODELS + [
       "--gammas", "1,2,7", "--gamma", "7", "--temperature", "1", "--repeats", "2", "--inner",
@@ -285,6 +287,7 @@ def test_model_work_speedup_charges_setup_per_call():
                              ar_iterations=[1], spec_iteration=1.0, spec_iterations=[1])
 
 
+@pytest.mark.slow
 def test_peers_tiny(out):
   pytest.importorskip("transformers")
   paths = peers.main(_TINY_MODELS + [
@@ -305,6 +308,7 @@ def test_peers_tiny(out):
     peers.parse_args(["--target", "t5_1_1_tiny"])
 
 
+@pytest.mark.slow
 def test_heads_on_the_demo_pair(out):
   paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
                       "--repeats", "1", "--timing_repeats", "2", "--results_dir",
@@ -321,6 +325,7 @@ def test_heads_on_the_demo_pair(out):
     heads.parse_args(["--tasks", "wmt"])
 
 
+@pytest.mark.slow
 def test_ablate_tiny(out, monkeypatch):
   # Executables released after every variant and gamma (a full sweep would run out of
   # memory maps otherwise): the next ones compile again and measure the same decisions.
@@ -349,6 +354,7 @@ def test_ablate_tiny(out, monkeypatch):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_batch_scaling_tiny(out):
   paths = batch_scaling.main(["--scale", "tiny", "--batch_sizes", "1,2", "--num_examples", "2",
                               "--gamma", "7", "--temperature", "1", "--repeats", "2",
@@ -366,6 +372,7 @@ def test_batch_scaling_tiny(out):
   assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_batch_scaling_with_chosen_gamma_and_compaction(out):
   paths = batch_scaling.main([
       "--scale", "tiny", "--batch_sizes", "2", "--num_examples", "2", "--gamma", "auto",
@@ -384,6 +391,7 @@ def test_batch_scaling_with_chosen_gamma_and_compaction(out):
   assert "shrink their batch" in open(paths["md"]).read()
 
 
+@pytest.mark.slow
 def test_trees_tiny(out):
   paths = trees.main(["--scale", "tiny", "--tasks", "ende", "--temperatures", "1",
                       "--budgets", "2,4", "--num_examples", "2", "--max_tokens", "8",
@@ -409,6 +417,7 @@ def test_trees_tiny(out):
   assert sum(r["chosen"] for r in res["rows"][1:]) == (choice["budget"] != 3)
 
 
+@pytest.mark.slow
 def test_verify_scaling_tiny(out):
   paths = verify_scaling.main(["--models", "t5_1_1_tiny", "--tokens", "3", "--repeats", "1",
                                "--compare_xla_dots", "--results_dir", out["results"]])
@@ -421,6 +430,7 @@ def test_verify_scaling_tiny(out):
     verify_scaling.main(["--models", "", "--results_dir", out["results"]])
 
 
+@pytest.mark.slow
 def test_results_readme(out):
   path = results_readme.main(["--results_dir", out["results"]])
   text = open(path).read()
@@ -435,6 +445,7 @@ def test_results_readme(out):
 
 
 # ------------------------------------------------------------------ demo quality
+@pytest.mark.slow
 def test_demo_quality_scores_the_shipped_models(out, tmp_path):
   """Two EnDe examples, two shipped models (a copied demo dir), the reference rows."""
   import shutil

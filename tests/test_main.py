@@ -32,6 +32,7 @@ def _tokens_by_index(out):
   return {r["index"]: r["decoders"]["speculative"]["tokens"] for r in _rows(out)}
 
 
+@pytest.mark.slow
 def test_import_main_does_not_import_tensorflow():
   code = ("import sys, spec_decode.main, spec_decode.experiment, spec_decode.data; "
           "assert 'tensorflow' not in sys.modules and 'seqio' not in sys.modules")
@@ -51,6 +52,7 @@ def greedy_run(tmp_path_factory):
   return out, summary
 
 
+@pytest.mark.slow
 def test_end_to_end_outputs(greedy_run):
   out, summary = greedy_run
   for name in ("predictions.jsonl", "config.json", "progress.json", "results.json",
@@ -129,6 +131,7 @@ def test_end_to_end_outputs(greedy_run):
                       f"{summary['speedup_measured']:.2f} |")
 
 
+@pytest.mark.slow
 def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
   out, summary = greedy_run
   before = open(os.path.join(out, "predictions.jsonl")).read()
@@ -146,6 +149,7 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
     main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 
 
+@pytest.mark.slow
 def test_resume_after_kill(tmp_path, greedy_run):
   out = str(tmp_path / "killed")
   # Slow batches (40 timed runs each) so the kill lands mid-way.
@@ -185,6 +189,7 @@ def test_resume_after_kill(tmp_path, greedy_run):
   assert all(_tokens_by_index(out)[i] == reference[i] for i in reference)
 
 
+@pytest.mark.slow
 def test_sampled_resume_is_exact(tmp_path):
   """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
   bindings = SMALL + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]
@@ -228,6 +233,7 @@ def test_errors_are_clear(tmp_path):
   assert not os.path.exists(os.path.join(out, "config.json"))  # failed runs leave no state
 
 
+@pytest.mark.slow
 def test_cli_reports_missing_checkpoint(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}", f"--gin_file={TOY}",
@@ -275,6 +281,7 @@ def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
                                 decoders={"s": decoding.Speculative()})
 
 
+@pytest.mark.slow
 def test_checkpoint_retrained_in_place_is_not_resumed(tmp_path):
   """Same config, same checkpoint path, different weights: refuse to mix predictions."""
   model, params = model_specs.load(model_specs.ModelSpec(preset="t5_1_1_mini", seed=0,
@@ -299,6 +306,7 @@ def test_checkpoint_retrained_in_place_is_not_resumed(tmp_path):
     main.run([TOY], SMALL + ckpt, out, show_progress=False)
 
 
+@pytest.mark.slow
 def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
   out = str(tmp_path / "mesh")
   main.run([TOY], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
@@ -340,10 +348,12 @@ def _wait(procs, what):
   return logs
 
 
+@pytest.mark.slow
 def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_gamma(tmp_path):
   """main over 2 local processes (gloo on 127.0.0.1, 2 CPU devices each, data=2,model=2 mesh)
-  with the gamma chosen from warm-up measurements: the warm-up decodes run collectively, each process feeds its half of
-  every batch, process 0 gathers and writes, and the predictions equal a one-process run's
+  with the gamma chosen from warm-up measurements: the warm-up decodes run collectively,
+  each process feeds its half of every batch, process 0 gathers and writes, and the
+  predictions equal a one-process run's
   at the chosen gamma. A multi-process rerun of the finished directory reuses process 0's
   recorded choice on every process (before that fix only process 0 read gamma.json while
   the others started the collective warm-up decodes, and the run hung)."""
@@ -379,6 +389,7 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
         assert g["decoders"][name][k] == w["decoders"][name][k], (name, k)
 
 
+@pytest.mark.slow
 def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   out = str(tmp_path / "auto")
   choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2"]
@@ -412,6 +423,7 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert again["completed"] == 6
 
 
+@pytest.mark.slow
 def test_named_decoders_from_gin(tmp_path):
   """Any number of named decoders from gin: each gets its tokens, stats, speedup, identity."""
   out = str(tmp_path / "named")
@@ -434,6 +446,7 @@ def test_named_decoders_from_gin(tmp_path):
   assert set(summary["timing"]["verify_ratio_by_tokens"]) == {"3", "4"}
 
 
+@pytest.mark.slow
 def test_baseline_only_experiment_has_no_cost_model(tmp_path):
   out = str(tmp_path / "ar_only")
   bindings = SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.draft = None",

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.decoding.drafters.mtp import MtpDrafter
@@ -50,6 +51,7 @@ def _setup():
   return target, tp, enc, ar_tokens, ar_lengths, result
 
 
+@pytest.mark.slow
 def test_training_loss_decreases():
   *_, result = _setup()
   losses = [h["loss"] for h in result.history]
@@ -58,7 +60,8 @@ def test_training_loss_decreases():
   assert result.head.num_modules == D and set(result.params) == {"mtp_1", "mtp_2", "mtp_3"}
 
 
-@pytest.mark.parametrize("trained,gamma", [(True, D), (True, 2), (False, D)])
+@pytest.mark.parametrize("trained,gamma", tiered([(True, D), (True, 2), (False, D)],
+                                                 fast=((True, D),)))
 def test_greedy_equals_autoregressive(trained, gamma):
   target0, tp, enc, ar_tokens, ar_lengths, result = _setup()
   modules = result.head
@@ -80,6 +83,7 @@ def test_greedy_equals_autoregressive(trained, gamma):
   assert np.all(np.asarray(stats.draft_tokens) == gamma * (np.asarray(stats.target_calls) - 1))
 
 
+@pytest.mark.slow
 def test_sequence_law_is_exact_at_temperature_1():
   def random_modules(target):
     modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
@@ -103,6 +107,7 @@ class _RecordingDrafter(MtpDrafter):
     return proposal, new_state
 
 
+@pytest.mark.slow
 def test_proposals_are_the_teacher_forced_modules():
   """The drafter's caches and feature window reproduce the modules run teacher-forced on
   the whole prefix: q_k = softmax(LM(h^k_{m-1})) on [s_0 .. s_m, x_1 .. x_{k-1}], f from

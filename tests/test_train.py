@@ -80,6 +80,7 @@ def test_batches_are_a_function_of_the_step():
   np.testing.assert_array_equal(b1["weights"], b1["decoder_targets"] > 0)
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_a_tiny_run():
   split, val = _copy_split(400, 0), _copy_split(64, 1)
   for opt in ("adamw", "adafactor"):
@@ -98,6 +99,7 @@ def test_data_outside_the_vocabulary_is_refused():
     train.train(_cfg(), train_split=wide, eval_split=split, report=lambda s: None)
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_next_step(tmp_path):
   split, val = _copy_split(100, 0), _copy_split(16, 1)
   kw = dict(train_split=split, eval_split=val, report=lambda s: None)
@@ -114,6 +116,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_distillation_moves_the_draft_toward_the_teacher(tmp_path):
   teacher_cfg = t5.T5Config.preset("t5_1_1_tiny")
   teacher_params = t5.T5(teacher_cfg).init(jax.random.PRNGKey(42))

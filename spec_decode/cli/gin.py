@@ -4,11 +4,11 @@ Shared by the command lines (`cli.main`, `cli.train`) and the experiment drivers
 absl flags are defined on import (`define_flags` defines --gin_file and --gin_bindings
 for a command). Every class marked `configurable.register` where it is defined (configs,
 `decoding` plug-ins through `decoding.registry`) is made gin-configurable under its name
-(`register_gin`): a new config needs no line here. Parsing is strict: unknown configurables and parameters are errors (gin's
-skip_unknown=False), and so is a macro bound on the command line that no gin
-file uses (`--gin.GAMA=9` would otherwise change nothing). An unquoted string
-gets a hint to quote it. gin files are code (a binding can call any registered
-configurable): parse only files you trust.
+(`register_gin`): a new config needs no line here. Parsing is strict: unknown
+configurables and parameters are errors (gin's skip_unknown=False), and so is a macro
+bound on the command line that no gin file uses (`--gin.GAMA=9` would otherwise change
+nothing). An unquoted string gets a hint to quote it. gin files are code (a binding can
+call any registered configurable): parse only files you trust.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ What is computed how (all per device):
     activation is twice its bfloat16 size (logits and probabilities are
     float32 either way), so the working memory is an upper bound for bfloat16.
   * depth: by default the program has the models' full depth (slow to compile for
-    XXL + small). --depth=N compiles N layers per stack instead (fast, for CI): params and caches stay exact, but
-    the working memory is then that of the shallower program, which
-    underestimates it: buffer reuse across the unrolled layers is not linear
-    in depth (XXL + small, batch 32, model=8: 0.76 GiB at depth 1, 2.12 GiB at
-    full depth; see experiments/results/memory_xxl.md).
+    XXL + small). --depth=N compiles N layers per stack instead (fast, for CI):
+    params and caches stay exact, but the working memory is then that of the
+    shallower program, which underestimates it: buffer reuse across the unrolled
+    layers is not linear in depth (XXL + small, batch 32, model=8: 0.76 GiB at
+    depth 1, 2.12 GiB at full depth; see experiments/results/memory_xxl.md).
   * Meshes are simulated on CPU devices (--xla_force_host_platform_device_count,
     set by re-executing the command when too few devices are visible), so the
     working memory is XLA:CPU's buffer assignment, an estimate for TPU/GPU.

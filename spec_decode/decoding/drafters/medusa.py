@@ -5,10 +5,11 @@ The loop's draft "model" is a set of heads (`MedusaNetwork`, e.g.
 the target's final decoder state at the input whose logits gave the last
 committed token: after a verify call on [s_m, x_1 .. x_K] that accepted n tokens
 it is `committed.target_hidden[:, n]` (the extra token s_{m+n+1} was drawn from
-the target's law there), so no target call is added. Head k then proposes token s_{m+n+1+k}, for k = 1 ..
-gamma: the chain's first token follows the extra token. Before the first
-target call there is no state yet; the heads then read zeros (a fixed guess
-that the verifier simply rejects when wrong; the output law is unchanged).
+the target's law there), so no target call is added. Head k then proposes token
+s_{m+n+1+k}, for k = 1 .. gamma: the chain's first token follows the extra
+token. Before the first target call there is no state yet; the heads then read
+zeros (a fixed guess that the verifier simply rejects when wrong; the output law
+is unchanged).
 
 At temperature 0 each head proposes its argmax (q None); otherwise x_k is
 drawn from head k's adjusted law q_k (the same `Sampling` as the target's), so
