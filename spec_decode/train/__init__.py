@@ -12,7 +12,7 @@ its gin file binds. Nothing below the experiment layer imports training.
 
 from spec_decode.train import data, eagle, heads, losses, medusa, models, mtp, trainer
 # _initial_params: the T5 trainer's start from (or growth of) an init checkpoint, which tests read.
-from spec_decode.train.models import TrainConfig, TrainResult, _initial_params, train
+from spec_decode.train.models import TrainConfig, TrainResult, _initial_params, train  # noqa: F401
 
 __all__ = ["TrainConfig", "TrainResult", "data", "eagle", "heads", "losses", "medusa", "models",
            "mtp", "train", "trainer"]
