@@ -22,6 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# The CPU kernel's vector width fixed (both widths give the same bits, tested in
+# test_cpu_matmul.py): no width tuning, which would time every small shape the tests use.
+os.environ.setdefault("SPEC_DECODE_CPU_KERNEL_WIDTH", "8")
 
 
 @pytest.fixture(autouse=True, scope="module")

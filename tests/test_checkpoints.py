@@ -152,10 +152,12 @@ def test_t5x_layout_matches_t5x(tmp_path):
   assert int(contents["optimizer"]["state"]["step"]) == 5
   spec = contents["optimizer"]["target"]["encoder"]["layers_0"]["attention"]["query"]["kernel"]
   assert spec["driver"] == "zarr" and spec["dtype"] == "float32"
+  # T5X's msgpack holds ts.Spec(spec).to_json(): a trailing '/' and the gzip level.
   assert spec["kvstore"] == {"driver": "file",
-                             "path": "target.encoder.layers_0.attention.query.kernel"}
-  assert spec["metadata"]["compressor"] == {"id": "gzip"}
+                             "path": "target.encoder.layers_0.attention.query.kernel/"}
+  assert spec["metadata"]["compressor"] == {"id": "gzip", "level": 1}
   assert list(spec["metadata"]["shape"]) == [32, 32]
+  assert spec == ts.Spec(spec).to_json()
   # T5X's reader: drop chunks/compressor, join the relative path with the checkpoint dir.
   spec = ts.Spec(spec).to_json()
   del spec["metadata"]["chunks"], spec["metadata"]["compressor"]

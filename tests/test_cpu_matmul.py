@@ -1,5 +1,6 @@
 """The weight-streaming CPU decoding kernel (spec_decode/kernels/cpu_matmul)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -229,3 +230,191 @@ def test_pack_cache_evicts_and_tracks_identity():
   cache.get(trees[2], make)  # evicts trees[0], the least recently used
   cache.get(trees[0], make)
   assert len(calls) == 4
+
+
+# ---------------------------------------------------------------- variants and weight types
+def _operands(m, k, n, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  # bfloat16 values held in float32: the float32 and bfloat16 panels hold the same numbers
+  w = rng.standard_normal((k, n)).astype(jnp.bfloat16).astype(np.float32)
+  return x, w
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 13, 40, 160])
+def test_bfloat16_panels_give_the_float32_bits_at_every_width(m):
+  x, w = _operands(m, 96, 200, seed=m)
+  want = None
+  for width in cpu_matmul.widths():
+    for weights in ("float32", "bfloat16"):
+      p = cpu_matmul.pack(w, weights)
+      assert p.dtype == jnp.dtype(weights)
+      got = cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n, width)
+      want = got if want is None else want
+      np.testing.assert_array_equal(got, want, err_msg=f"width {width}, {weights}")
+  np.testing.assert_allclose(want, x.astype(np.float64) @ w.astype(np.float64),
+                             rtol=1e-5, atol=1e-5 * np.sqrt(96))
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_every_weight_type_through_xla_keeps_rows_independent(weights):
+  x, w = _operands(23, 512, 1030, seed=1)
+  p = cpu_matmul.pack(w, weights)
+  full = np.asarray(jax.jit(cpu_matmul.matmul)(x, p))
+  for rows in (slice(0, 1), slice(3, 8), slice(7, 18)):
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul)(x[rows], p)),
+                                  full[rows])
+  # the raw entry point (one thread, no XLA) computes the same bits at every width
+  for width in cpu_matmul.widths():
+    np.testing.assert_array_equal(
+        cpu_matmul.raw_matmul(x, np.asarray(p.panels),
+                              None if p.scales is None else np.asarray(p.scales), p.n, width),
+        full)
+  # against float64 with the weights the kernel multiplies by (int8: q * scale)
+  w_used = np.asarray(cpu_matmul.unpack(p), np.float64)
+  np.testing.assert_allclose(full, x.astype(np.float64) @ w_used, rtol=1e-5,
+                             atol=1e-5 * np.sqrt(512))
+
+
+def test_int8_packing_quantizes_per_column():
+  w = np.random.default_rng(2).standard_normal((64, 40)).astype(np.float32)
+  w[:, 3] = 0  # an all-zero column keeps a usable scale
+  p = cpu_matmul.pack(w, "int8")
+  assert p.panels.dtype == jnp.int8 and p.scales.shape == (48,)
+  np.testing.assert_allclose(np.asarray(p.scales)[:40], np.maximum(np.abs(w).max(0) / 127,
+                                                                    (w == 0).all(0) * 1.0),
+                             rtol=1e-6)
+  back = np.asarray(cpu_matmul.unpack(p))
+  assert np.all(np.abs(back - w) <= np.asarray(p.scales)[:40] / 2 + 1e-7)
+  assert not np.any(back[:, 3])
+  with pytest.raises(ValueError, match="weights must be one of"):
+    cpu_matmul.pack(w, "int4")
+
+
+def test_auto_packs_bfloat16_values_as_bfloat16():
+  _, w = _operands(1, 32, 48)
+  assert cpu_matmul.pack(w, "auto").dtype == jnp.bfloat16
+  assert cpu_matmul.pack(w + 1e-3, "auto").dtype == jnp.float32
+
+
+@needs_kernel
+def test_t5_kernel_weights(pack_small):
+  model, params = _mini()
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
+  wo = lambda p: p["decoder"]["layers_0"]["mlp"]["wo"]["kernel"]
+  assert wo(model.decode_params(params)).dtype == jnp.float32  # float32 values: 'auto' keeps them
+  # A checkpoint stored in bfloat16 (values exact in bfloat16), decoded in float32:
+  stored = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  auto = model.decode_params(stored)
+  assert wo(auto).dtype == jnp.bfloat16
+  forced = t5.T5(model.config, kernel_weights="float32").decode_params(stored)
+  assert wo(forced).dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(model.forward(auto, enc, dec)),
+                                np.asarray(model.forward(forced, enc, dec)))
+  # int8 is an option; each setting packs its own copy of the same tree
+  int8 = t5.T5(model.config, kernel_weights="int8")
+  assert wo(int8.decode_params(stored)).dtype == jnp.int8
+  assert model.decode_params(stored) is auto
+  with pytest.raises(ValueError, match="kernel_weights must be one of"):
+    t5.T5(model.config, kernel_weights="fp8")
+
+
+@needs_kernel
+def test_width_override_and_tuning_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv(cpu_matmul.ENV_CACHE, str(tmp_path))
+  monkeypatch.delenv(cpu_matmul.ENV_WIDTH, raising=False)  # conftest fixes it for the suite
+  monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
+  monkeypatch.setattr(cpu_matmul, "TUNE_STREAM_BYTES", 1 << 20)
+  width = cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16)
+  assert width in cpu_matmul.widths()
+  if len(cpu_matmul.widths()) > 1:  # measured once, then read back from the cache file
+    saved = json.loads(next(tmp_path.glob("widths_*.json")).read_text())
+    assert saved == {"4x96x200:bfloat16": width}  # rows 3: the bucket of 3-4 rows
+    monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_matmul, "time_width", None)  # a second measurement would fail
+    assert cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16) == width
+  monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "8")
+  assert cpu_matmul.chosen_width(3, 96, 200, jnp.bfloat16) == 8
+  monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "12")
+  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_WIDTH} must be 8 or 16"):
+    cpu_matmul.chosen_width(3, 96, 200, jnp.float32)
+  if 16 not in cpu_matmul.widths():
+    monkeypatch.setenv(cpu_matmul.ENV_WIDTH, "16")
+    with pytest.raises(ValueError, match="widths"):
+      cpu_matmul.chosen_width(3, 96, 200, jnp.float32)
+
+
+@needs_kernel
+def test_t5_logits_are_the_same_bits_at_every_width(pack_small, monkeypatch):
+  model, params = _mini()
+  stored = model.decode_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+                                            params))
+  enc = jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (3, 6), 2, 100)
+  logits = {}
+  for width in cpu_matmul.widths():
+    monkeypatch.setenv(cpu_matmul.ENV_WIDTH, str(width))
+    jax.clear_caches()  # the width is fixed when a product is traced
+    hlo = jax.jit(lambda p: model.forward(p, enc, dec)).lower(stored).as_text()
+    assert f"width = {width}" in hlo
+    logits[width] = np.asarray(model.forward(stored, enc, dec))
+  for got in logits.values():
+    np.testing.assert_array_equal(got, logits[8])
+
+
+def _has_dot():
+  return HAVE_COMPILER and cpu_matmul.available() and cpu_matmul.has_bfloat16_dot()
+
+
+@pytest.mark.skipif(not _has_dot(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_bfloat16_dot_products(m):
+  """Pairs of bfloat16 weights times activations rounded to bfloat16 (round to nearest
+  even), float32 sums: within float32 rounding of that product in float64, the same bits
+  at every width and row count."""
+  x, w = _operands(m, 512, 1030, seed=m)
+  p = cpu_matmul.pack(w, "bfloat16_dot")
+  assert p.pairs and p.panels.shape == (65, 256, 16, 2) and p.shape == (512, 1030)
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(p)), w)
+  got = np.asarray(jax.jit(cpu_matmul.matmul)(x, p))
+  x16 = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(got, x16 @ w.astype(np.float64), rtol=1e-5,
+                             atol=1e-5 * np.sqrt(512))
+  for width in cpu_matmul.widths():
+    np.testing.assert_array_equal(cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n,
+                                                        width), got)
+  if m > 1:
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul)(x[1:2], p))[0], got[1])
+  with pytest.raises(ValueError, match="even K"):
+    cpu_matmul.pack(w[:511], "bfloat16_dot")
+
+
+@needs_kernel
+def test_t5_bfloat16_dot_weights(pack_small):
+  model, params = _mini()
+  dot = t5.T5(model.config, kernel_weights="bfloat16_dot")
+  if not cpu_matmul.has_bfloat16_dot():
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16"):
+      dot.decode_params(params)
+    return
+  packed = dot.decode_params(params)
+  assert packed["decoder"]["layers_0"]["mlp"]["wo"]["kernel"].pairs
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
+  got = np.asarray(dot.forward(packed, enc, dec))
+  ref = np.asarray(model.forward(params, enc, dec))
+  # bfloat16 activations: errors of bfloat16's 8-bit mantissa, compounded over the layers
+  np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max())
+  assert np.abs(got - ref).max() > 0  # a different function than the float32 model
+
+
+@needs_kernel
+def test_describe_names_the_cpu_and_the_variants():
+  info = cpu_matmul.describe()
+  assert info["kernel"] == "on" and info["model"] and 8 in info["widths"]
+  assert ("avx512f" in info["features"]) == (16 in info["widths"]) or not info["features"]
+  assert cpu_matmul.read_bandwidth(1 << 20, threads=1, passes=2) > 0
+  assert cpu_matmul.fma_peak(8, threads=1, iters=10_000) > 0

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -120,10 +121,7 @@ def test_save_load_roundtrip_and_errors(tmp_path):
   with pytest.raises(ValueError, match="not a Medusa heads checkpoint"):
     head_checkpoints.load(str(tmp_path / "missing"), kind="medusa")
   other = medusa.MedusaHeads(medusa.MedusaConfig.for_target(target, 5))
-  (tmp_path / "wide").mkdir()
-  for f in os.listdir(tmp_path / "h"):
-    if f != "medusa_config.json":
-      os.symlink(tmp_path / "h" / f, tmp_path / "wide" / f)
+  shutil.copytree(tmp_path / "h", tmp_path / "wide")
   (tmp_path / "wide" / "medusa_config.json").write_text(json.dumps(other.config.to_json()))
   with pytest.raises(ValueError, match="do not match"):
     head_checkpoints.load(str(tmp_path / "wide"))

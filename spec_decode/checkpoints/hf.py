@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 
 from spec_decode.checkpoints import hf_names, storage
-from spec_decode.checkpoints.common import (ArraySource, CheckpointError, check_shapes, full_index,
-                                            materialize, resolve_dtype)
+from spec_decode.checkpoints.common import (ArraySource, CheckpointError, check_finite,
+                                            check_shapes, full_index, materialize, resolve_dtype)
 from spec_decode.models import t5
 from spec_decode.tree_util import unflatten
 
@@ -29,6 +29,7 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 WEIGHT_FILES = (SAFETENSORS_FILE, "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json is ~1 KB, an index of 100k weights ~10 MB
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
                        "BF16": ml_dtypes.bfloat16}
 
@@ -88,6 +89,41 @@ def _torch_bin(file: str) -> dict[str, _Tensor]:
   return out
 
 
+def _hub_roots(directory: str) -> tuple[str, ...]:
+  """A Hugging Face hub cache snapshot (<repo>/snapshots/<revision>/) holds symbolic
+  links into <repo>/blobs/: the files of the checkpoint itself, allowed there."""
+  real = os.path.realpath(directory)
+  blobs = os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
+  if os.path.basename(os.path.dirname(real)) == "snapshots" and os.path.isdir(blobs):
+    return (blobs,)
+  return ()
+
+
+def _check_file(directory: str, name: str, what: str, allow_outside_paths: bool) -> str:
+  """directory/name, refused when the name (or a symbolic link) leads outside directory."""
+  storage.check_inside(directory, name, what=what, allow_outside=allow_outside_paths,
+                       extra_roots=_hub_roots(directory))
+  return os.path.join(directory, name)
+
+
+def _read_json(file: str) -> dict:
+  """A JSON object from `file`, refused with a one-line error when corrupt or absurd."""
+  size = os.path.getsize(file)
+  if size > MAX_JSON_BYTES:
+    raise CheckpointError(f"{file} is {size} bytes, more than any Hugging Face config or "
+                          f"index ({MAX_JSON_BYTES}); refusing to parse it")
+  try:
+    with open(file, "rb") as f:
+      contents = json.loads(f.read().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+  except RecursionError:
+    raise CheckpointError(f"{file} nests too deeply to be a Hugging Face config") from None
+  if not isinstance(contents, dict):
+    raise CheckpointError(f"{file} holds a JSON {type(contents).__name__}, not an object")
+  return contents
+
+
 def _open_tensors(directory: str, *, allow_outside_paths: bool = False) -> dict[str, _Tensor]:
   present = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(directory, f))]
   if not present:
@@ -95,32 +131,29 @@ def _open_tensors(directory: str, *, allow_outside_paths: bool = False) -> dict[
                           f"{', '.join(WEIGHT_FILES)}")
   first = present[0]
   opener = _safetensors if "safetensors" in first else _torch_bin
+  file = _check_file(directory, first, f"HF checkpoint {directory}", allow_outside_paths)
   if not first.endswith(".index.json"):
-    return opener(os.path.join(directory, first))
-  with open(os.path.join(directory, first)) as f:
-    weight_map = json.load(f).get("weight_map", {})
+    return opener(file)
+  weight_map = _read_json(file).get("weight_map", {})
+  if not isinstance(weight_map, dict):
+    raise CheckpointError(f"{file}: 'weight_map' is a {type(weight_map).__name__}, not a map")
   out = {}
-  for shard in sorted(set(weight_map.values())):
+  for shard in sorted(set(weight_map.values()), key=str):
     if not isinstance(shard, str) or not shard:
       raise CheckpointError(f"{first} names a weight file {shard!r}, which is not a file name")
-    storage.check_inside(directory, shard, what=f"{first}'s weight_map",
-                         allow_outside=allow_outside_paths)
-    file = os.path.join(directory, shard)
+    file = _check_file(directory, shard, f"{first}'s weight_map", allow_outside_paths)
     if not os.path.isfile(file):
       raise CheckpointError(f"{first} names the weight file {shard}, which is missing")
     out.update(opener(file))
   return out
 
 
-def read_config(directory: str) -> dict:
+def read_config(directory: str, *, allow_outside_paths: bool = False) -> dict:
   file = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(file):
     raise CheckpointError(f"not a Hugging Face checkpoint: {file} does not exist")
-  try:
-    with open(file) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+  return _read_json(_check_file(directory, CONFIG_FILE, f"HF checkpoint {directory}",
+                                allow_outside_paths))
 
 
 def _source(name: str, tensor: _Tensor, transposed: bool) -> ArraySource:
@@ -179,16 +212,17 @@ def open_arrays(path: str, *, allow_outside_paths: bool = False
   if storage.is_gcs(directory):
     raise CheckpointError(f"Hugging Face checkpoints are read from local directories, "
                           f"not {directory}")
-  hf_config = read_config(directory)
-  hf_names.config_from_hf(hf_config)  # config errors first, before opening weights
+  hf_config = read_config(directory, allow_outside_paths=allow_outside_paths)
+  hf_names.config_from_hf(hf_config, where=f"{directory}/{CONFIG_FILE}")  # before opening weights
   return _arrays(hf_config, _open_tensors(directory, allow_outside_paths=allow_outside_paths),
                  directory)
 
 
-def from_state_dict(hf_config: dict, state_dict: dict, dtype=None) -> tuple[t5.T5Config, dict]:
+def from_state_dict(hf_config: dict, state_dict: dict, dtype=None, *,
+                    allow_nonfinite: bool = False) -> tuple[t5.T5Config, dict]:
   """(T5Config, params) from an in-memory HF model: its `config.to_dict()` and
   `{name: numpy array}` state dict (e.g. `{k: v.numpy() for k, v in
-  model.state_dict().items()}`). dtype as in `checkpoints.load`."""
+  model.state_dict().items()}`). dtype and allow_nonfinite as in `checkpoints.load`."""
   tensors = {}
   for name, value in state_dict.items():
     value = np.asarray(value)
@@ -197,16 +231,21 @@ def from_state_dict(hf_config: dict, state_dict: dict, dtype=None) -> tuple[t5.T
   dtype = resolve_dtype(dtype)
   config = config.replace(dtype=dtype)
   check_shapes(config, {n: s.shape for n, s in sources.items()}, what="HF state dict")
-  return config, unflatten(materialize(sources, dtype))
+  return config, unflatten(materialize(sources, dtype, allow_nonfinite=allow_nonfinite,
+                                       where="the HF state dict"))
 
 
-def write(path: str, config: t5.T5Config, flat_params: dict) -> None:
-  """Writes config.json and model.safetensors into directory `path`."""
+def write(path: str, config: t5.T5Config, flat_params: dict, *,
+          allow_nonfinite: bool = False) -> None:
+  """Writes config.json and model.safetensors into directory `path`; a parameter
+  holding NaN/Inf is refused (nothing is written) unless allow_nonfinite."""
   from safetensors.numpy import save_file
   directory = storage.normalize(path)
   if storage.is_gcs(directory):
     raise CheckpointError(f"Hugging Face checkpoints are written to local directories, "
                           f"not {directory}")
+  check_finite(flat_params, allow=allow_nonfinite, where=f"the HF checkpoint to write at "
+               f"{directory}", action="write", override="checkpoints.save")
   tensors = {}
   for ours, (hf, transposed) in hf_names.param_names(config).items():
     value = np.asarray(flat_params[ours])

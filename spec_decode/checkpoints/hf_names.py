@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from spec_decode.checkpoints import limits
 from spec_decode.checkpoints.common import CheckpointError
 from spec_decode.models import t5
 
@@ -81,17 +82,20 @@ def _get(hf: Mapping[str, Any], key: str, default=None, *, required: bool = Fals
   return value
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> tuple[t5.T5Config, bool]:
+def config_from_hf(hf: Mapping[str, Any], where: str = "HF config.json"
+                   ) -> tuple[t5.T5Config, bool]:
   """(T5Config, scales decoder outputs) from a parsed config.json.
 
   The returned config has logits_via_embedding equal to the scaling flag; the
-  reader revises it when an untied lm_head is stored without scaling.
+  reader revises it when an untied lm_head is stored without scaling. Sizes
+  beyond `limits.MAX_SIZES` are refused here, before anything is built from
+  them (`where` names the file in that message).
   """
   model_type = hf.get("model_type", "t5")
   if model_type not in _MODEL_TYPES:
     raise CheckpointError(f"HF model_type {model_type!r} is not a T5 ({_MODEL_TYPES})")
   proj = _get(hf, "feed_forward_proj", "relu")  # HF's default
-  if proj not in _FEED_FORWARD:
+  if not isinstance(proj, str) or proj not in _FEED_FORWARD:
     raise CheckpointError(f"HF feed_forward_proj {proj!r} is not supported; known: "
                           f"{sorted(_FEED_FORWARD)}")
   if "scale_decoder_outputs" in hf:
@@ -99,6 +103,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[t5.T5Config, bool]:
   else:
     scale = bool(hf.get("tie_word_embeddings", True))  # HF's default
   num_layers = _get(hf, "num_layers", required=True)
+  eps = _get(hf, "layer_norm_epsilon", 1e-6)  # checked by limits.check_config_sizes
   try:
     config = t5.T5Config(
         vocab_size=_get(hf, "vocab_size", required=True),
@@ -112,9 +117,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[t5.T5Config, bool]:
         logits_via_embedding=scale,
         relative_attention_num_buckets=_get(hf, "relative_attention_num_buckets", 32),
         relative_attention_max_distance=_get(hf, "relative_attention_max_distance", 128),
-        layer_norm_epsilon=float(_get(hf, "layer_norm_epsilon", 1e-6)))
+        layer_norm_epsilon=float(eps) if isinstance(eps, (int, float)) else eps)
   except ValueError as e:
     raise CheckpointError(f"HF config.json does not describe a valid T5: {e}") from e
+  limits.check_config_sizes(config, where)
   return config, scale
 
 

@@ -130,11 +130,31 @@ def check_empty_target(path: str) -> None:
     raise CheckpointError(f"cannot save into {path}: it is a file")
 
 
-def check_inside(base: str, relative: str, *, what: str, allow_outside: bool = False) -> None:
+_TRUST_HINT = ("pass allow_outside_paths=True to checkpoints.load, or "
+               "ModelSpec.allow_outside_paths, if you trust it")
+
+
+def _within(root: str, path: str) -> bool:
+  return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def outside_target(base: str, path: str, extra_roots: tuple[str, ...] = ()) -> str | None:
+  """Where local `path` really is (symbolic links followed, os.path.realpath) when
+  that lies outside the real `base` and every `extra_roots`; None when inside."""
+  real = os.path.realpath(path)
+  roots = [os.path.realpath(r) for r in (base, *extra_roots)]
+  return None if any(_within(root, real) for root in roots) else real
+
+
+def check_inside(base: str, relative: str, *, what: str, allow_outside: bool = False,
+                 extra_roots: tuple[str, ...] = ()) -> None:
   """Refuses a path from a checkpoint's metadata that leads outside the checkpoint.
 
   `relative` comes from a file in the checkpoint (a T5X TensorStore spec, an HF
-  index): an absolute path, a URL or '..' would make loading read elsewhere.
+  index): an absolute path, a URL or '..' would make loading read elsewhere,
+  and so would a symbolic link on the way: a local path is resolved
+  (os.path.realpath, of the checkpoint `base` too) before the check.
+  `extra_roots` are other directories the path may resolve into.
   allow_outside=True accepts it (for a checkpoint you trust that points at shared arrays).
   """
   if allow_outside:
@@ -142,5 +162,23 @@ def check_inside(base: str, relative: str, *, what: str, allow_outside: bool = F
   parts = relative.replace("\\", "/").split("/")
   if os.path.isabs(relative) or "://" in relative or ".." in parts:
     raise CheckpointError(f"{what} names {relative!r}, which lies outside the checkpoint "
-                          f"{base}; refusing to read it (pass allow_outside_paths=True to "
-                          "checkpoints.load, or ModelSpec.allow_outside_paths, if you trust it)")
+                          f"{base}; refusing to read it ({_TRUST_HINT})")
+  if not is_gcs(base):
+    real = outside_target(base, os.path.join(base, relative), extra_roots)
+    if real is not None:
+      raise CheckpointError(f"{what} names {relative!r}, which is a symbolic link to {real}, "
+                            f"outside the checkpoint {base}; refusing to read it ({_TRUST_HINT})")
+
+
+def check_links_inside(base: str, directory: str, *, what: str,
+                       allow_outside: bool = False) -> None:
+  """Refuses a local `directory` of the checkpoint `base` holding a symbolic link
+  (at any depth) that leads outside `base`: its reader would follow it."""
+  if allow_outside or is_gcs(directory) or not os.path.isdir(directory):
+    return
+  for root, dirs, files in os.walk(directory):  # does not descend into linked directories
+    for name in (*dirs, *files):
+      entry = os.path.join(root, name)
+      if os.path.islink(entry) and (real := outside_target(base, entry)) is not None:
+        raise CheckpointError(f"{what}: {entry} is a symbolic link to {real}, outside the "
+                              f"checkpoint {base}; refusing to read it ({_TRUST_HINT})")

@@ -8,19 +8,27 @@ Layout of checkpoint_<step>/ (reference/t5x.md):
   ...
 A leaf of the msgpack tree is either an inline array (possibly in the chunked
 dict form) or a TensorStore spec whose kvstore path is *relative* to the
-checkpoint directory. T5X writes, per array,
+checkpoint directory. T5X writes, per array, `ts.Spec(...).to_json()` of
   {'driver': 'zarr', 'dtype': 'float32',
-   'kvstore': {'driver': 'file', 'path': 'target.a.b'},      # or gcs + dummy bucket
-   'metadata': {'compressor': {'id': 'gzip'}, 'shape': [...], 'chunks': [...]}}
-(older specs keep 'path' at the top level). The spec's driver records where it
-was written, not where it is now: a local checkpoint directory is read with the
-file driver and a gs:// one with the gcs driver, whatever the spec says.
-Only `target/...` is read; optimizer state is never opened. A spec path that
-leads outside the checkpoint directory (absolute, a URL or '..') is refused
-unless allow_outside_paths. Chunk files absent from an array's directory
-would be read as zeros, so they are an error unless allow_missing_chunks (then
-a warning names each array and count); this module's writer stores every chunk,
-zeros included, so its own checkpoints are always complete.
+   'kvstore': {'driver': 'file', 'path': 'target.a.b/'},      # or gcs + dummy bucket
+   'metadata': {'chunks': [...], 'compressor': {'id': 'gzip', 'level': 1},
+                'shape': [...]}}
+(older specs keep 'path' at the top level, without the trailing '/'). The
+spec's driver records where it was written, not where it is now: a local
+checkpoint directory is read with the file driver and a gs:// one with the gcs
+driver, whatever the spec says. Only `target/...` is read; optimizer state is
+never opened. A spec path that leads outside the checkpoint directory
+(absolute, a URL, '..', or a symbolic link, the array directory's own entries
+included) is refused unless allow_outside_paths. Chunk files absent from an
+array's directory would be read as zeros, so they are an error unless
+allow_missing_chunks (then a warning names each array and count); this
+module's writer stores every chunk, zeros included, so its own checkpoints are
+always complete.
+
+The writer's layout is T5X's own (`write`), so T5X reads these directories:
+`t5x.checkpoints.load_t5x_checkpoint`, and `Checkpointer.restore` for
+inference, or for training with T5X's default Adafactor when the zero
+Adafactor state is written (optimizer_state='adafactor'); see `write`.
 """
 
 from __future__ import annotations
@@ -33,26 +41,33 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from spec_decode.checkpoints import msgpack_codec, storage
-from spec_decode.checkpoints.common import ArraySource, CheckpointError, host_blocks
+from spec_decode.checkpoints import msgpack_codec, storage, t5x_optimizer
+from spec_decode.checkpoints.common import ArraySource, CheckpointError, check_finite, host_blocks
 from spec_decode.tree_util import flatten, unflatten
 
 VERSION = 3
 CHECKPOINT_FILE = "checkpoint"
 DUMMY_BUCKET = "t5x-dummy-bucket"  # T5X writes gcs specs with this bucket, fixed up on read
 CHUNK_BYTES = 64 * 1024 * 1024  # T5X's target size of one zarr chunk
+GZIP_LEVEL = 1  # TensorStore's zarr gzip default, which T5X's specs record
 _KV_DRIVERS = ("file", "gfile", "gcs")
 _log = logging.getLogger(__name__)
 
 
-def locate(path: str) -> tuple[str, str]:
-  """(checkpoint dir, msgpack file) for a checkpoint_<step> dir or the file inside it."""
+def locate(path: str, *, allow_outside_paths: bool = False) -> tuple[str, str]:
+  """(checkpoint dir, msgpack file) for a checkpoint_<step> dir or the file inside it.
+
+  A `checkpoint` file inside the directory that is a symbolic link leading
+  outside it is refused unless allow_outside_paths.
+  """
   path = storage.normalize(path)
   if storage.is_file(path):
     return storage.dirname(path), path
   file = storage.join(path, CHECKPOINT_FILE)
   if not storage.is_file(file):
     raise CheckpointError(f"not a T5X checkpoint: {file} does not exist")
+  storage.check_inside(path, CHECKPOINT_FILE, what="the T5X checkpoint directory",
+                       allow_outside=allow_outside_paths)
   return path, file
 
 
@@ -86,9 +101,9 @@ def resolve_spec(spec: dict, ckpt_dir: str, *, allow_outside_paths: bool = False
   return spec
 
 
-def read_tree(path: str) -> tuple[str, dict]:
+def read_tree(path: str, *, allow_outside_paths: bool = False) -> tuple[str, dict]:
   """(checkpoint dir, decoded msgpack state dict) of a legacy checkpoint."""
-  ckpt_dir, file = locate(path)
+  ckpt_dir, file = locate(path, allow_outside_paths=allow_outside_paths)
   raw = storage.read_bytes(file)
   if raw is None:
     raise CheckpointError(f"not a T5X checkpoint: cannot read {file}")
@@ -121,6 +136,9 @@ def _ts_source(name: str, spec: dict, ckpt_dir: str, context: ts.Context, *,
   full = f"target/{name}"
   resolved = resolve_spec(spec, ckpt_dir, allow_outside_paths=allow_outside_paths)
   where = resolved["kvstore"].get("path")
+  if not storage.is_gcs(ckpt_dir):  # (a gcs kvstore path is a key in the bucket)
+    storage.check_links_inside(ckpt_dir, where, what=f"parameter {full}'s array directory",
+                               allow_outside=allow_outside_paths)
   try:
     store = storage.wait(ts.open(resolved, open=True, read=True, context=context), ckpt_dir,
                          f"opening {full} of")
@@ -190,7 +208,7 @@ def _check_missing_chunks(name: str, store, kvstore: dict, *, allow: bool) -> No
 def open_arrays(path: str, *, allow_missing_chunks: bool = False,
                 allow_outside_paths: bool = False) -> dict[str, ArraySource]:
   """{T5X parameter path: ArraySource} for everything under `target`."""
-  ckpt_dir, state = read_tree(path)
+  ckpt_dir, state = read_tree(path, allow_outside_paths=allow_outside_paths)
   context = ts.Context({"file_io_concurrency": {"limit": 64}})
   sources = {}
   for name, leaf in flatten(state["target"], is_leaf=is_ts_spec).items():
@@ -222,41 +240,86 @@ def chunk_shape(shape, max_elements: int) -> list[int]:
 
 
 def array_spec(name: str, shape, dtype, *, gcs: bool, chunk_bytes: int = CHUNK_BYTES) -> dict:
-  """The relative spec T5X writes for parameter `name` (e.g. 'target/encoder/...')."""
-  key = name.replace("/", ".")
+  """The relative spec T5X writes for array `name` (e.g. 'target/encoder/...').
+
+  It is the normal form `ts.Spec(spec).to_json()` gives T5X's spec, which is
+  what T5X's msgpack files hold: kvstore path with a trailing '/', the gzip
+  level TensorStore writes with.
+  """
+  key = name.replace("/", ".") + "/"
   kv = {"driver": "gcs", "bucket": DUMMY_BUCKET, "path": key} if gcs else \
       {"driver": "file", "path": key}
   dtype = np.dtype(dtype)
   return {"driver": "zarr", "dtype": dtype.name, "kvstore": kv,
-          "metadata": {"compressor": {"id": "gzip"}, "shape": [int(d) for d in shape],
-                       "chunks": chunk_shape(shape, chunk_bytes // dtype.itemsize)}}
+          "metadata": {"chunks": chunk_shape(shape, chunk_bytes // dtype.itemsize),
+                       "compressor": {"id": "gzip", "level": GZIP_LEVEL},
+                       "shape": [int(d) for d in shape]}}
 
 
-def write(path: str, flat_params: dict, *, step: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+def _write_array(path: str, name: str, value, context: ts.Context, *, gcs: bool,
+                 chunk_bytes: int) -> dict:
+  """Writes array `name` into checkpoint directory `path`; returns its relative spec."""
+  spec = array_spec(name, value.shape, value.dtype, gcs=gcs, chunk_bytes=chunk_bytes)
+  # Every chunk is stored, all-zero ones included, so a reader can tell a
+  # complete checkpoint from a partly copied one.
+  target = dict(spec, kvstore=storage.kvstore_spec(storage.join(path, spec["kvstore"]["path"])),
+                store_data_equal_to_fill_value=True)
+  store = ts.open(target, create=True, delete_existing=True, context=context).result()
+  for index, block in host_blocks(value):
+    store[index].write(block).result()
+  return spec
+
+
+def _param_states(path: str, flat_params: dict, optimizer_state: str | None,
+                  context: ts.Context, *, gcs: bool, chunk_bytes: int) -> dict:
+  """The msgpack `param_states` of `optimizer_state`, writing its TensorStore slots."""
+  shapes = {name: tuple(np.shape(v)) for name, v in flat_params.items()}
+  states = {}
+  for name, slots in t5x_optimizer.zero_state(optimizer_state, shapes).items():
+    as_arrays = t5x_optimizer.tensorstore_slots({k: v.shape for k, v in slots.items()})
+    states[name] = {
+        slot: _write_array(path, f"state/param_states/{name}/{slot}", zeros, context, gcs=gcs,
+                           chunk_bytes=chunk_bytes) if slot in as_arrays else zeros
+        for slot, zeros in slots.items()}
+  return states
+
+
+def write(path: str, flat_params: dict, *, step: int, chunk_bytes: int = CHUNK_BYTES,
+          optimizer_state: str | None = None, allow_nonfinite: bool = False) -> None:
   """Writes {T5X path: array} as a version-3 legacy checkpoint in directory `path`.
 
-  Arrays keep their dtype. The optimizer state holds only the step (empty
-  param_states): T5X reads the parameters with its standalone checkpoint
-  loader, or restores them for training with a non-strict RestoreCheckpointConfig
-  (strict=False, fallback_to_scratch=True) that initializes the optimizer slots.
+  The layout is T5X's `Checkpointer.save`: msgpack {'version': 3,
+  'optimizer': {'target': <specs>, 'state': {'step': int32, ...}}}, arrays in
+  gzip zarr directories; arrays keep their dtype. optimizer_state:
+    None         'state' holds only the step, as T5X writes an InferenceState;
+    'adafactor'  also 'param_states': the zero state of T5X's default Adafactor
+                 (checkpoints.t5x_optimizer), as T5X writes a fresh train state.
+  A parameter holding NaN/Inf is refused (nothing is written) unless allow_nonfinite.
+
+  Reading these files in T5X (checked against T5X's source; see
+  tests/test_checkpoints_t5x_compat.py):
+    params = t5x.checkpoints.load_t5x_checkpoint(path)['target']      # either layout
+    # eval / infer (InferenceState), and training with T5X's Adafactor from
+    # optimizer_state='adafactor': the default strict restore
+    utils.RestoreCheckpointConfig(path=path, mode='specific')
+    # training from optimizer_state=None: the optimizer slots start from scratch
+    utils.RestoreCheckpointConfig(path=path, mode='specific', fallback_to_scratch=True,
+                                  assignment_map=((r'state/param_states.*', None),))
+  (fallback_to_scratch needs a state transformation, which the assignment map is.)
   """
   path = storage.normalize(path)
+  t5x_optimizer.check_optimizer_state(optimizer_state)
+  check_finite(flat_params, allow=allow_nonfinite, where=f"the T5X checkpoint to write at {path}",
+               action="write", override="checkpoints.save")
   gcs = storage.is_gcs(path)
   context = ts.Context({"file_io_concurrency": {"limit": 64}})
-  specs = {}
-  for name, value in flat_params.items():
-    spec = array_spec(f"target/{name}", value.shape, value.dtype, gcs=gcs,
-                      chunk_bytes=chunk_bytes)
-    # Every chunk is stored, all-zero ones included, so a reader can tell a
-    # complete checkpoint from a partly copied one.
-    target = dict(spec, kvstore=storage.kvstore_spec(
-        storage.join(path, spec["kvstore"]["path"])), store_data_equal_to_fill_value=True)
-    store = ts.open(target, create=True, delete_existing=True, context=context).result()
-    for index, block in host_blocks(value):
-      store[index].write(block).result()
-    specs[name] = spec
+  specs = {name: _write_array(path, f"target/{name}", value, context, gcs=gcs,
+                              chunk_bytes=chunk_bytes)
+           for name, value in flat_params.items()}
+  state = {"step": np.asarray(step, np.int32)}
+  if optimizer_state is not None and jax.process_index() == 0:  # zeros: one process writes them
+    state["param_states"] = unflatten(_param_states(path, flat_params, optimizer_state, context,
+                                                    gcs=gcs, chunk_bytes=chunk_bytes))
   if jax.process_index() == 0:
-    tree = {"version": VERSION,
-            "optimizer": {"target": unflatten(specs),
-                          "state": {"step": np.asarray(step, np.int32), "param_states": {}}}}
+    tree = {"version": VERSION, "optimizer": {"target": unflatten(specs), "state": state}}
     storage.write_bytes(storage.join(path, CHECKPOINT_FILE), msgpack_codec.encode(tree))

@@ -1,27 +1,47 @@
 // Small-M matrix products for XLA:CPU decoding, as an XLA FFI custom call.
 //
 // y[M, N] = x[M, K] @ W[K, N], where W is stored as column panels of 16:
-// panels[j, k, 0:16] = W[k, 16 j : 16 j + 16] (zero-padded past N). A decode step
-// multiplies 1..16 rows by each weight matrix; reading the panels in order streams
-// the weights from memory once, at bandwidth, however many rows there are, and
-// each panel is reused from cache for every group of 6 rows (a 6x16 register
-// block, two 8-wide vectors per row: the classic AVX2 micro-kernel shape).
+// panels[j, k, 0:16] = W[k, 16 j : 16 j + 16] (zero-padded past N), in float32,
+// bfloat16 or int8 (int8 with a float32 scale per column: W = q * scale). A decode
+// step multiplies 1..160 rows (the batch times the gamma + 1 tokens of a verify call)
+// by each weight matrix; reading the panels in order streams the weights from memory
+// once, at bandwidth, however many rows there are, and a group of panels is reused
+// from cache for every block of rows.
 //
-// Every output element accumulates x[m, k] * W[k, n] over k = 0 .. K-1 in order
-// with fused multiply-adds, whatever M and the row's place in it: a row's result
-// does not depend on which other rows share the call (a verify call's rows equal
-// single-token steps' bit for bit).
+// Variants, by vector width (chosen per weight shape by the caller, `width`):
+//   8: 8-wide vectors, up to 6 rows x 2 vectors per block (16 registers: AVX2 + FMA);
+//  16: 16-wide vectors, up to 6 rows x 4 panels per block (32 registers: AVX-512),
+//      built only when the compiler targets AVX-512F (the host's -march=native).
+// bfloat16 and int8 weights are widened to float32 in registers (exactly), so a
+// bfloat16 matrix gives the bits of its float32 copy at half the bytes read.
 //
-// Panels are split between the calling thread and XLA's intra-op thread pool
-// by an atomic counter: a helper that starts late finds no work and returns, so
-// the call never waits on a task that has not started.
+// Every output element accumulates x[m, k] * W[k, n] over k = 0 .. K-1 in order with
+// fused multiply-adds (then times the column's scale, for int8), whatever M, the row's
+// place in the call and the variant: a row's result does not depend on which other
+// rows share the call (a verify call's rows equal single-token steps' bit for bit), and
+// both widths give the same bits.
+//
+// Panels are split between the calling thread and XLA's intra-op thread pool by an
+// atomic counter: a helper that starts late finds no work and returns, so the call
+// never waits on a task that has not started.
+//
+// Also exported (plain C, for the roofline benchmark and the variant tuner):
+// spec_decode_matmul (the same products on raw pointers, one thread),
+// spec_decode_read_gbps (read bandwidth over a buffer) and spec_decode_fma_gflops
+// (peak of a register-only multiply-add loop).
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -30,123 +50,327 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 16;
-constexpr int64_t kPrefetch = 32;  // k steps (of 64 bytes per panel) ahead
+constexpr int64_t kPrefetchBytes = 2048;  // ahead of the hardware prefetcher, per panel
 constexpr int kRowBlock = 6;
-typedef float v8 __attribute__((vector_size(32)));
+constexpr int kGroup = 4;  // panels read from memory once per row sweep
 
-inline v8 Load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void Store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#endif
 
-// R rows of x (row stride K) times P adjacent panels [K, 16] -> y rows (stride N), the
-// first `cols` (<= 16 P) columns. Few rows take several panels at once so that enough
-// independent accumulator chains cover the FMA latency; the order of the sum over k is
-// the same for every P and R.
-template <int R, int P>
-void Block(const float* x, const float* panels, float* y, int64_t K, int64_t N, int64_t cols) {
-  v8 acc[R][2 * P];
+template <typename V>
+constexpr int Lanes() { return sizeof(V) / sizeof(float); }
+
+template <typename V>
+inline V Bits(const void* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+
+// Lanes<V>() weights of type T at p as a float vector (exact for every T).
+template <typename V, typename T> struct Widen;
+template <typename V> struct Widen<V, float> {
+  static V Load(const float* p) { return Bits<V>(p); }
+};
+// bfloat16 -> float32 is the 16 bits shifted up; int8 -> float32 is a sign extension and a
+// conversion. With AVX2 / AVX-512 each is one widening load and one shift or convert.
+template <> struct Widen<f32x8, uint16_t> {
+  static f32x8 Load(const uint16_t* p) {
+#ifdef __AVX2__
+    const __m256i w = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+    return Bits<f32x8>(&w);
+#else
+    u32x8 w = __builtin_convertvector(Bits<u16x8>(p), u32x8) << 16;
+    return Bits<f32x8>(&w);
+#endif
+  }
+};
+template <> struct Widen<f32x8, int8_t> {
+  static f32x8 Load(const int8_t* p) {
+#ifdef __AVX2__
+    const __m256 w = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return Bits<f32x8>(&w);
+#else
+    return __builtin_convertvector(__builtin_convertvector(Bits<i8x8>(p), i32x8), f32x8);
+#endif
+  }
+};
+#ifdef __AVX512F__
+template <> struct Widen<f32x16, uint16_t> {
+  static f32x16 Load(const uint16_t* p) {
+    const __m512i w = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    return Bits<f32x16>(&w);
+  }
+};
+template <> struct Widen<f32x16, int8_t> {
+  static f32x16 Load(const int8_t* p) {
+    const __m512 w = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return Bits<f32x16>(&w);
+  }
+};
+#endif
+
+template <typename T>
+struct Problem {
+  const float* x;
+  const T* panels;
+  const float* scales;  // [16 P] for int8 weights, else null
+  float* y;
+  int64_t M, K, N;      // for `Pair` panels K counts pairs of k
+  const uint32_t* xpairs = nullptr;  // for `Pair` panels: x in bfloat16, two k per word
+};
+
+// A bfloat16 dot-product panel entry: W[2 kk, n] and W[2 kk + 1, n] side by side.
+struct Pair { uint16_t v[2]; };
+
+// R rows of x (row stride K) times P adjacent panels [K, 16] starting at panel j -> y rows
+// (stride N), the first `cols` (<= 16 P) columns. Few rows take several panels at once so
+// that enough independent accumulator chains cover the FMA latency; the order of the sum
+// over k is the same for every P, R and vector width.
+template <typename V, typename T, int R, int P>
+void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
+  constexpr int B = kPanel / Lanes<V>();  // vectors per panel row
+  const int64_t K = p.K;
+  const float* x = p.x + m * K;
+  const T* panels = p.panels + j * K * kPanel;
+  const int64_t ahead_k = kPrefetchBytes / (kPanel * sizeof(T));
+  V acc[R][P * B];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < 2 * P; ++b) acc[r][b] = v8{};
+    for (int b = 0; b < P * B; ++b) acc[r][b] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    v8 w[2 * P];
-    const int64_t ahead = std::min(k + kPrefetch, K - 1);
-    for (int p = 0; p < P; ++p) {
-      // Ahead of the hardware prefetcher (measured: 2 to 8 rows ~20% faster), within the panel.
-      __builtin_prefetch(panels + (p * K + ahead) * kPanel);
-      w[2 * p] = Load8(panels + (p * K + k) * kPanel);
-      w[2 * p + 1] = Load8(panels + (p * K + k) * kPanel + 8);
+    V w[P * B];
+    const int64_t ahead = std::min(k + ahead_k, K - 1);
+    for (int q = 0; q < P; ++q) {
+      __builtin_prefetch(panels + (q * K + ahead) * kPanel);
+      for (int b = 0; b < B; ++b)
+        w[q * B + b] = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
     }
     for (int r = 0; r < R; ++r) {
-      const v8 xv = x[r * K + k] - v8{};
-      for (int b = 0; b < 2 * P; ++b) acc[r][b] += xv * w[b];
+      const V xv = x[r * K + k] - V{};
+      for (int b = 0; b < P * B; ++b) acc[r][b] += xv * w[b];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == kPanel * P) {
-      for (int b = 0; b < 2 * P; ++b) Store8(y + r * N + 8 * b, acc[r][b]);
-    } else {
-      float tmp[kPanel * P];
-      for (int b = 0; b < 2 * P; ++b) Store8(tmp + 8 * b, acc[r][b]);
-      std::memcpy(y + r * N, tmp, cols * sizeof(float));
+  if (p.scales != nullptr) {
+    for (int b = 0; b < P * B; ++b) {
+      const V s = Bits<V>(p.scales + j * kPanel + b * Lanes<V>());
+      for (int r = 0; r < R; ++r) acc[r][b] *= s;
     }
+  }
+  float* y = p.y + m * p.N + j * kPanel;
+  for (int r = 0; r < R; ++r) {
+    float tmp[kPanel * P];
+    for (int b = 0; b < P * B; ++b) std::memcpy(tmp + Lanes<V>() * b, &acc[r][b], sizeof(V));
+    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
   }
 }
 
-// Panels taken at once by a block of R rows: at least 8 accumulator chains.
-constexpr int kMaxPanels = 4;
-typedef void (*BlockFn)(const float*, const float*, float*, int64_t, int64_t, int64_t);
-struct BlockKind { int panels; BlockFn fn; };
-const BlockKind kBlocks[kRowBlock + 1] = {
-    {0, nullptr}, {4, Block<1, 4>}, {2, Block<2, 2>}, {2, Block<3, 2>},
-    {1, Block<4, 1>}, {1, Block<5, 1>}, {1, Block<6, 1>}};
-const BlockFn kSinglePanel[kRowBlock + 1] = {nullptr, Block<1, 1>, Block<2, 1>, Block<3, 1>,
-                                             Block<4, 1>, Block<5, 1>, Block<6, 1>};
+template <typename T>
+using BlockFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
 
-struct Problem {
-  const float* x;
-  const float* panels;
-  float* y;
-  int64_t M, K, N;
+// Blocks by rows (1..kRowBlock): how many panels at once, and that block; every width also
+// has single-panel blocks for a group's last panels.
+template <typename V, typename T>
+struct Blocks {
+  int panels[kRowBlock + 1];
+  BlockFn<T> wide[kRowBlock + 1];
+  BlockFn<T> single[kRowBlock + 1];
 };
 
-// Panels [j0, j1) for every row group; a group of up to kMaxPanels panels is read from
-// memory once and from cache for the following row blocks.
-void Panels(const Problem& p, int64_t j0, int64_t j1) {
-  for (int64_t g = j0; g < j1; g += kMaxPanels) {
-    const int64_t g1 = std::min(j1, g + kMaxPanels);
+template <typename T>
+constexpr Blocks<f32x8, T> kBlocks8 = {
+    {0, 4, 2, 2, 1, 1, 1},  // 16 registers: at least 8 accumulator chains, at most 12
+    {nullptr, Block<f32x8, T, 1, 4>, Block<f32x8, T, 2, 2>, Block<f32x8, T, 3, 2>,
+     Block<f32x8, T, 4, 1>, Block<f32x8, T, 5, 1>, Block<f32x8, T, 6, 1>},
+    {nullptr, Block<f32x8, T, 1, 1>, Block<f32x8, T, 2, 1>, Block<f32x8, T, 3, 1>,
+     Block<f32x8, T, 4, 1>, Block<f32x8, T, 5, 1>, Block<f32x8, T, 6, 1>}};
+#ifdef __AVX512F__
+template <typename T>
+constexpr Blocks<f32x16, T> kBlocks16 = {
+    {0, 4, 4, 4, 4, 4, 4},  // 32 registers: up to 24 accumulators, 4 weight vectors
+    {nullptr, Block<f32x16, T, 1, 4>, Block<f32x16, T, 2, 4>, Block<f32x16, T, 3, 4>,
+     Block<f32x16, T, 4, 4>, Block<f32x16, T, 5, 4>, Block<f32x16, T, 6, 4>},
+    {nullptr, Block<f32x16, T, 1, 1>, Block<f32x16, T, 2, 1>, Block<f32x16, T, 3, 1>,
+     Block<f32x16, T, 4, 1>, Block<f32x16, T, 5, 1>, Block<f32x16, T, 6, 1>}};
+#endif
+
+// Panels [j0, j1) for every row block; a group of kGroup panels is read from memory once
+// and from cache for the following row blocks.
+template <typename V, typename T>
+void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1) {
+  for (int64_t g = j0; g < j1; g += kGroup) {
+    const int64_t g1 = std::min(j1, g + kGroup);
     for (int64_t m = 0; m < p.M; m += kRowBlock) {
       const int64_t rows = std::min<int64_t>(kRowBlock, p.M - m);
       for (int64_t j = g; j < g1;) {
-        const int64_t take = kBlocks[rows].panels <= g1 - j ? kBlocks[rows].panels : 1;
-        const BlockFn fn = take == 1 ? kSinglePanel[rows] : kBlocks[rows].fn;
-        const int64_t cols = std::min(kPanel * take, p.N - j * kPanel);
-        fn(p.x + m * p.K, p.panels + j * p.K * kPanel, p.y + m * p.N + j * kPanel, p.K, p.N,
-           cols);
+        const int64_t take = blocks.panels[rows] <= g1 - j ? blocks.panels[rows] : 1;
+        const BlockFn<T> fn = take == 1 ? blocks.single[rows] : blocks.wide[rows];
+        fn(p, m, j, std::min(kPanel * take, p.N - j * kPanel));
         j += take;
       }
     }
   }
 }
 
+bool HaveWidth(int64_t width) {
+#ifdef __AVX512F__
+  if (width == 16) return true;
+#endif
+  return width == 8;
+}
+
+template <typename T>
+void Range(const Problem<T>& p, int64_t width, int64_t j0, int64_t j1) {
+#ifdef __AVX512F__
+  if (width == 16) return Panels(kBlocks16<T>, p, j0, j1);
+#endif
+  Panels(kBlocks8<T>, p, j0, j1);
+}
+
+#ifdef __AVX512BF16__
+// bfloat16 dot products (AVX512-BF16): x and W both in bfloat16, each step adds
+// x[2 kk] W[2 kk, n] + x[2 kk + 1] W[2 kk + 1, n] to a float32 accumulator (VDPBF16PS:
+// round to nearest even, denormals flushed), kk in order: twice the multiply-adds of a
+// float32 FMA per instruction, the same bits for every row count and both widths.
+template <int R, int P>
+void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
+  const int64_t K2 = p.K;
+  const uint32_t* x = p.xpairs + m * K2;
+  const Pair* panels = p.panels + j * K2 * kPanel;
+  const int64_t ahead_k = kPrefetchBytes / (kPanel * sizeof(Pair));
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh w[P];
+    const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
+    for (int q = 0; q < P; ++q) {
+      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      w[q] = (__m512bh)_mm512_loadu_si512(panels + (q * K2 + kk) * kPanel);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K2 + kk]);
+      for (int q = 0; q < P; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xv, w[q]);
+    }
+  }
+  float* y = p.y + m * p.N + j * kPanel;
+  for (int r = 0; r < R; ++r) {
+    float tmp[kPanel * P];
+    for (int q = 0; q < P; ++q) _mm512_storeu_ps(tmp + kPanel * q, acc[r][q]);
+    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
+  }
+}
+
+template <int R, int P>
+void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
+  const int64_t K2 = p.K;
+  const uint32_t* x = p.xpairs + m * K2;
+  const Pair* panels = p.panels + j * K2 * kPanel;
+  const int64_t ahead_k = kPrefetchBytes / (kPanel * sizeof(Pair));
+  __m256 acc[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 2 * P; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m256bh w[2 * P];
+    const int64_t ahead = std::min(kk + ahead_k, K2 - 1);
+    for (int q = 0; q < P; ++q) {
+      __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
+      const Pair* row = panels + (q * K2 + kk) * kPanel;
+      w[2 * q] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      w[2 * q + 1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256bh xv = (__m256bh)_mm256_set1_epi32(x[r * K2 + kk]);
+      for (int b = 0; b < 2 * P; ++b) acc[r][b] = _mm256_dpbf16_ps(acc[r][b], xv, w[b]);
+    }
+  }
+  float* y = p.y + m * p.N + j * kPanel;
+  for (int r = 0; r < R; ++r) {
+    float tmp[kPanel * P];
+    for (int b = 0; b < 2 * P; ++b) _mm256_storeu_ps(tmp + 8 * b, acc[r][b]);
+    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
+  }
+}
+
+const Blocks<__m512, Pair> kDotBlocks16 = {
+    {0, 4, 4, 4, 4, 4, 4},
+    {nullptr, DotBlock16<1, 4>, DotBlock16<2, 4>, DotBlock16<3, 4>, DotBlock16<4, 4>,
+     DotBlock16<5, 4>, DotBlock16<6, 4>},
+    {nullptr, DotBlock16<1, 1>, DotBlock16<2, 1>, DotBlock16<3, 1>, DotBlock16<4, 1>,
+     DotBlock16<5, 1>, DotBlock16<6, 1>}};
+const Blocks<__m256, Pair> kDotBlocks8 = {
+    {0, 4, 2, 2, 1, 1, 1},
+    {nullptr, DotBlock8<1, 4>, DotBlock8<2, 2>, DotBlock8<3, 2>, DotBlock8<4, 1>,
+     DotBlock8<5, 1>, DotBlock8<6, 1>},
+    {nullptr, DotBlock8<1, 1>, DotBlock8<2, 1>, DotBlock8<3, 1>, DotBlock8<4, 1>,
+     DotBlock8<5, 1>, DotBlock8<6, 1>}};
+
+template <>
+void Range<Pair>(const Problem<Pair>& p, int64_t width, int64_t j0, int64_t j1) {
+  if (width == 16) return Panels(kDotBlocks16, p, j0, j1);
+  Panels(kDotBlocks8, p, j0, j1);
+}
+
+constexpr bool kHaveDot = true;
+#else
+constexpr bool kHaveDot = false;
+#endif
+
+// float32 -> bfloat16, round to nearest even (NaN stays NaN).
+inline uint16_t RoundToBf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+// x [M, 2 K2] float32 -> [M, K2] words of two bfloat16 (k = 2 kk in the low half).
+std::vector<uint32_t> PairRows(const float* x, int64_t M, int64_t K2) {
+  std::vector<uint32_t> out(M * K2);
+  for (int64_t i = 0; i < M * K2; ++i)
+    out[i] = uint32_t{RoundToBf16(x[2 * i])} | uint32_t{RoundToBf16(x[2 * i + 1])} << 16;
+  return out;
+}
+
+template <typename T>
 struct Shared {
-  Problem problem;
-  int64_t num_panels, chunk;
+  Problem<T> problem;
+  int64_t width, num_panels, chunk;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
   void Work() {
     for (;;) {
       const int64_t j0 = next.fetch_add(chunk);
       if (j0 >= num_panels) return;
-      Panels(problem, j0, std::min(num_panels, j0 + chunk));
+      Range(problem, width, j0, std::min(num_panels, j0 + chunk));
     }
   }
 };
 
-ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                        ffi::ResultBuffer<ffi::F32> y, int64_t threads) {
-  const auto xd = x.dimensions();
-  const auto pd = panels.dimensions();
-  const auto yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel)
-    return ffi::Error::InvalidArgument("small_m_matmul: want x [M, K], panels [P, K, 16], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (pd[1] != K || yd[0] != M || N > pd[0] * kPanel || N <= (pd[0] - 1) * kPanel)
-    return ffi::Error::InvalidArgument("small_m_matmul: shapes of x, panels and y disagree");
-  const Problem problem{x.typed_data(), panels.typed_data(), y->typed_data(), M, K, N};
-  const int64_t num_panels = pd[0];
-  int64_t helpers = std::min<int64_t>(threads, pool.num_threads()) - 1;
-  // Below ~256 KB of weights a second thread costs more than it saves.
-  if (K * N < (1 << 16)) helpers = 0;
-  if (helpers <= 0 || num_panels < 2) {
-    Panels(problem, 0, num_panels);
-    return ffi::Error::Success();
+template <typename T>
+void Run(const Problem<T>& problem, int64_t width, int64_t num_panels, int64_t helpers,
+         ffi::ThreadPool* pool) {
+  if (helpers <= 0 || num_panels < 2 || pool == nullptr) {
+    Range(problem, width, 0, num_panels);
+    return;
   }
-  auto shared = std::make_shared<Shared>();
+  auto shared = std::make_shared<Shared<T>>();
   shared->problem = problem;
+  shared->width = width;
   shared->num_panels = num_panels;
-  shared->chunk =
-      kMaxPanels * std::max<int64_t>(1, num_panels / (8 * kMaxPanels * (helpers + 1)));
+  shared->chunk = kGroup * std::max<int64_t>(1, num_panels / (8 * kGroup * (helpers + 1)));
   for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([shared] {
+    pool->Schedule([shared] {
       shared->active.fetch_add(1);
       shared->Work();
       shared->active.fetch_sub(1);
@@ -154,15 +378,206 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   }
   shared->Work();
   while (shared->active.load() != 0) std::this_thread::yield();
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                  const float* scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                  int64_t width) {
+  const auto xd = x.dimensions();
+  const auto pd = panels.dimensions();
+  const auto yd = y->dimensions();
+  const bool pairs = pd.size() == 4;  // bfloat16 dot products: [P, K / 2, 16, 2]
+  if (xd.size() != 2 || yd.size() != 2 || pd.size() < 3 || pd[2] != kPanel ||
+      (pairs ? pd[3] != 2 : pd.size() != 3))
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul: want x [M, K], panels [P, K, 16] or [P, K / 2, 16, 2], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (pd[1] * (pairs ? 2 : 1) != K || yd[0] != M || N > pd[0] * kPanel ||
+      N <= (pd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument("small_m_matmul: shapes of x, panels and y disagree");
+  if (!HaveWidth(width))
+    return ffi::Error::InvalidArgument("small_m_matmul: vector width not built for this CPU");
+  const int64_t num_panels = pd[0];
+  int64_t helpers = std::min<int64_t>(threads, pool.num_threads()) - 1;
+  // Below ~256 KB of float32 weights a second thread costs more than it saves.
+  if (K * N < (1 << 16)) helpers = 0;
+  const auto type = panels.element_type();
+  const void* w = panels.untyped_data();
+  float* out = y->typed_data();
+  if (pairs) {
+    if (type != ffi::DataType::BF16 || scales != nullptr || !kHaveDot)
+      return ffi::Error::InvalidArgument(
+          "small_m_matmul: pair panels need bfloat16 weights and a CPU with AVX512-BF16");
+    const std::vector<uint32_t> xp = PairRows(x.typed_data(), M, K / 2);
+    Problem<Pair> problem{nullptr, static_cast<const Pair*>(w), nullptr, out, M, K / 2, N};
+    problem.xpairs = xp.data();
+    Run(problem, width, num_panels, helpers, &pool);
+  } else if (type == ffi::DataType::F32 && scales == nullptr) {
+    Run(Problem<float>{x.typed_data(), static_cast<const float*>(w), nullptr, out, M, K, N},
+        width, num_panels, helpers, &pool);
+  } else if (type == ffi::DataType::BF16 && scales == nullptr) {
+    Run(Problem<uint16_t>{x.typed_data(), static_cast<const uint16_t*>(w), nullptr, out, M, K,
+                          N}, width, num_panels, helpers, &pool);
+  } else if (type == ffi::DataType::S8 && scales != nullptr) {
+    Run(Problem<int8_t>{x.typed_data(), static_cast<const int8_t*>(w), scales, out, M, K, N},
+        width, num_panels, helpers, &pool);
+  } else {
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul: panels must be float32 or bfloat16, or int8 with scales");
+  }
   return ffi::Error::Success();
+}
+
+ffi::Error Unscaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                    ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t width) {
+  return Matmul(pool, x, panels, nullptr, y, threads, width);
+}
+
+ffi::Error Scaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                  ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                  int64_t width) {
+  const auto sd = scales.dimensions();
+  const auto pd = panels.dimensions();
+  if (sd.size() != 1 || pd.size() != 3 || sd[0] != pd[0] * kPanel)
+    return ffi::Error::InvalidArgument("small_m_matmul: want scales [16 P] for panels [P, K, 16]");
+  return Matmul(pool, x, panels, scales.typed_data(), y, threads, width);
+}
+
+template <typename V>
+double FmaLoop(int64_t iters) {
+  V acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = V{} + float(i);
+  const V a = V{} + 0.999999f, b = V{} + 1e-7f;
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 12; ++i) {
+      acc[i] = acc[i] * a + b;
+      __asm__("" : "+v"(acc[i]));  // keep every chain
+    }
+  float sum = 0;
+  for (int i = 0; i < 12; ++i) sum += acc[i][0];
+  return sum;
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmul, SmallMMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmul, Unscaled,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("width"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulScaled, Scaled,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("width"));
+
+extern "C" {
+
+// Bit w set: vector width w is built into this library (8 always; 16 with AVX-512F).
+int64_t spec_decode_widths() {
+  int64_t widths = 1 << 8;
+#ifdef __AVX512F__
+  widths |= int64_t{1} << 16;
+#endif
+  return widths;
+}
+
+// The kernel's products on raw pointers in the calling thread. dtype: 0 float32,
+// 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot products; K even). Returns 0,
+// or -1 for a width or dtype it lacks.
+int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
+                       int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t width) {
+  if (!HaveWidth(width)) return -1;
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  if (dtype == 0) {
+    Run(Problem<float>{x, static_cast<const float*>(panels), nullptr, y, M, K, N}, width,
+        num_panels, 0, nullptr);
+  } else if (dtype == 1) {
+    Run(Problem<uint16_t>{x, static_cast<const uint16_t*>(panels), nullptr, y, M, K, N}, width,
+        num_panels, 0, nullptr);
+  } else if (dtype == 2 && scales != nullptr) {
+    Run(Problem<int8_t>{x, static_cast<const int8_t*>(panels), scales, y, M, K, N}, width,
+        num_panels, 0, nullptr);
+  } else if (dtype == 3 && kHaveDot && K % 2 == 0) {
+    const std::vector<uint32_t> xp = PairRows(x, M, K / 2);
+    Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
+    problem.xpairs = xp.data();
+    Run(problem, width, num_panels, 0, nullptr);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// Whether the bfloat16 dot-product variant (AVX512-BF16) is built.
+int spec_decode_has_bf16_dot() { return kHaveDot ? 1 : 0; }
+
+// GB/s reading `bytes` bytes of `buffer` (64-byte aligned length) `passes` times with
+// `threads` threads, each reading its own contiguous share with 32-byte loads.
+double spec_decode_read_gbps(const void* buffer, int64_t bytes, int64_t passes,
+                             int64_t threads) {
+  threads = std::max<int64_t>(1, threads);
+  const int64_t words = bytes / sizeof(f32x8);
+  std::vector<float> sink(threads);
+  auto read = [&](int64_t t) {
+    const int64_t w0 = words * t / threads, w1 = words * (t + 1) / threads;
+    const char* base = static_cast<const char*>(buffer);
+    f32x8 a{}, b{}, c{}, d{};
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      int64_t w = w0;
+      for (; w + 4 <= w1; w += 4) {
+        a += Bits<f32x8>(base + w * 32);
+        b += Bits<f32x8>(base + w * 32 + 32);
+        c += Bits<f32x8>(base + w * 32 + 64);
+        d += Bits<f32x8>(base + w * 32 + 96);
+      }
+      for (; w < w1; ++w) a += Bits<f32x8>(base + w * 32);
+    }
+    const f32x8 s = a + b + c + d;
+    sink[t] = s[0] + s[7];
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(read, t);
+  read(0);
+  for (auto& th : pool) th.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return double(words) * sizeof(f32x8) * passes / seconds / 1e9;
+}
+
+// GFLOP/s (2 per multiply-add) of 12 independent multiply-add chains of `width`-wide
+// vectors, `iters` steps, on each of `threads` threads. -1 for a width not built.
+double spec_decode_fma_gflops(int64_t width, int64_t iters, int64_t threads) {
+  if (!HaveWidth(width)) return -1;
+  threads = std::max<int64_t>(1, threads);
+  std::vector<double> sink(threads);
+  auto run = [&](int64_t t) {
+#ifdef __AVX512F__
+    if (width == 16) { sink[t] = FmaLoop<f32x16>(iters); return; }
+#endif
+    sink[t] = FmaLoop<f32x8>(iters);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile double keep = sink[0];
+  (void)keep;
+  return 2.0 * 12 * width * double(iters) * threads / seconds / 1e9;
+}
+
+}  // extern "C"

@@ -3,10 +3,9 @@
 A decode step multiplies a handful of rows (1 token, or the gamma + 1 tokens of
 a verify call, times the batch) by every weight matrix. XLA:CPU runs a 1-row
 product as a GEMV that reads the weights once, but hands 2 or more rows to a
-GEMM library call that packs the weight panel first, so on the project's CPU
-verifying 5 tokens cost about 1.8-2.4 single-token steps (experiments/results/
-verify_scaling.md): not the "about one step while memory bound" the paper's
-argument rests on.
+GEMM library call that packs the weight panel first, so verifying 5 tokens cost
+about 1.8-2.4 single-token steps: not the "about one step while memory bound" the
+paper's argument rests on.
 
 This module keeps each decoding weight W [K, N] in a panel layout made once
 (`pack`: panels[j, k, :] = W[k, 16 j : 16 j + 16]) and multiplies by it with a
@@ -16,11 +15,24 @@ panels over XLA's intra-op threads. Every output accumulates over k in order,
 so a row's result does not depend on the other rows of the call: a verify
 call's logits equal single-token steps' bit for bit.
 
-The kernel is compiled on first use with the system C++ compiler against
-jaxlib's FFI headers (cached under $SPEC_DECODE_KERNEL_CACHE, default
-~/.cache/spec_decode/kernels) and registered with jax. Where that is not
-possible (no compiler, another backend, SPEC_DECODE_CPU_KERNELS=0) `available()`
-is False and models keep XLA's dots; outputs are the same up to float rounding.
+Weights: float32; bfloat16, widened to float32 in registers, so a matrix whose values
+are bfloat16 (a checkpoint stored in bfloat16) gives its float32 copy's bits at half
+the bytes (`pack(weights="auto")` picks it for such matrices); int8 with a float32
+scale per column (an option: the products change by the quantization).
+
+Variants: 8-wide vectors (AVX2) always, 16-wide (AVX-512) where the compiler targets
+AVX-512F. Both give the same bits; which is faster depends on the CPU, the weights and
+the number of rows, so the first product of each shape on a machine times them and
+keeps the faster (`chosen_width`, cached per CPU in the kernel cache);
+SPEC_DECODE_CPU_KERNEL_WIDTH=8 or 16 fixes the width for reproducible benchmarks.
+
+The kernel is compiled on first use with the system C++ compiler for the host CPU
+(-march=native) against jaxlib's FFI headers, cached under $SPEC_DECODE_KERNEL_CACHE
+(default ~/.cache/spec_decode/kernels) by source, flags, compiler, jax version and
+the CPU's model and features, so a home directory shared between machines never runs
+a binary built for another CPU; then registered with jax. Where that is not possible
+(no compiler, another backend, SPEC_DECODE_CPU_KERNELS=0) `available()` is False and
+models keep XLA's dots; outputs are the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -41,6 +55,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from spec_decode import compile_options
@@ -48,53 +63,108 @@ from spec_decode import compile_options
 PANEL = 16
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 _TARGET = "spec_decode_small_m_matmul"
+_TARGET_SCALED = "spec_decode_small_m_matmul_scaled"
 _SYMBOL = "SpecDecodeSmallMMatmul"
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_SYMBOL_SCALED = "SpecDecodeSmallMMatmulScaled"
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
-# `T5.decode_params`). Measured per product on the 2-core CPU (1..11 rows, /tmp
-# microbenchmark in a jitted loop, issue 13): the kernel is faster for every matrix of
-# 192 x 192 and up (36,864 elements: equal at 1 row, 0.6-0.9x at 2-11 rows; 192 x 512:
-# 0.86x at 1 row, 0.32-0.67x at 2-11), while on 64 x 64 and 64 x 192 matrices XLA's
-# single-row product, a loop it fuses, is 0.1-0.4 us faster than a custom call. The 3.7M
-# demo target (all of its matrices >= 192 x 192) then verifies 5 tokens in 1.35-1.4
-# single steps against 2.3 with XLA's dots. (An earlier version of the kernel, without
-# multi-panel blocks for few rows, lost to XLA's dots on that model; a model-level
-# threshold of 32 MB of decoder weights kept it off then.)
+# `T5.decode_params`). Measured per product on a 2-core AMD EPYC (1..11 rows, a jitted
+# loop): the kernel is faster for every matrix of 192 x 192 and up (36,864 elements:
+# equal at 1 row, 0.6-0.9x at 2-11 rows; 192 x 512: 0.86x at 1 row, 0.32-0.67x at 2-11),
+# while on 64 x 64 and 64 x 192 matrices XLA's single-row product, a loop it fuses, is
+# 0.1-0.4 us faster than a custom call.
 MIN_PACKED_ELEMENTS = 2 ** 15
 ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
 ENV_CACHE = "SPEC_DECODE_KERNEL_CACHE"
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"
+ENV_WIDTH = "SPEC_DECODE_CPU_KERNEL_WIDTH"
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "bfloat16_dot")
+_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.int8): 2}
 
 
 @flax.struct.dataclass
 class PackedKernel:
-  """A weight matrix W [K, N] as column panels [ceil(N / 16), K, 16] (zero-padded)."""
+  """A weight matrix W [K, N] as column panels [ceil(N / 16), K, 16] (zero-padded) of
+  float32, bfloat16 or int8; int8 panels have `scales` [16 ceil(N / 16)] (W = q * scale
+  per column), the others None. For bfloat16 dot products (`pack(weights='bfloat16_dot')`)
+  the panels are [ceil(N / 16), K / 2, 16, 2]: W[2 kk, n] and W[2 kk + 1, n] side by side."""
   panels: jax.Array
-  n: int = flax.struct.field(pytree_node=False)
+  scales: jax.Array | None = None
+  n: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def shape(self) -> tuple[int, int]:
-    return (self.panels.shape[1], self.n)
+    return (self.panels.shape[1] * (2 if self.pairs else 1), self.n)
+
+  @property
+  def pairs(self) -> bool:
+    """Whether the panels hold bfloat16 pairs for dot products (x rounded to bfloat16)."""
+    return self.panels.ndim == 4
 
   @property
   def dtype(self):
     return self.panels.dtype
 
 
-def pack(kernel) -> PackedKernel:
-  """W [K, N] float32 -> PackedKernel (one copy of the weights, made once)."""
-  kernel = jnp.asarray(kernel)
-  if kernel.ndim != 2 or kernel.dtype != jnp.float32:
-    raise ValueError(f"pack wants a float32 [K, N] kernel, got {kernel.dtype} {kernel.shape}")
+def _panels(kernel, dtype) -> jax.Array:
   K, N = kernel.shape
   P = -(-N // PANEL)
-  padded = jnp.pad(kernel, ((0, 0), (0, P * PANEL - N)))
-  return PackedKernel(panels=jnp.transpose(padded.reshape(K, P, PANEL), (1, 0, 2)), n=N)
+  padded = jnp.pad(kernel, ((0, 0), (0, P * PANEL - N))).astype(dtype)
+  return jnp.transpose(padded.reshape(K, P, PANEL), (1, 0, 2))
+
+
+def bfloat16_exact(kernel) -> jax.Array:
+  """Whether every value of `kernel` is a bfloat16 value (so bfloat16 panels lose nothing)."""
+  kernel = jnp.asarray(kernel)
+  return jnp.all(kernel.astype(jnp.bfloat16).astype(kernel.dtype) == kernel)
+
+
+def pack(kernel, weights: str = "float32") -> PackedKernel:
+  """W [K, N] (float32 or bfloat16) -> PackedKernel (one copy of the weights, made once).
+
+  weights: 'float32'; 'bfloat16' (rounds float32 values to bfloat16, exact for values that
+  are bfloat16 already; products stay float32 x float32); 'int8' (symmetric per column:
+  scale = max |W[:, n]| / 127); 'bfloat16_dot' (bfloat16 weights in pairs of k for the
+  AVX512-BF16 dot product, which rounds the activations to bfloat16 too: a different
+  function, twice the multiply-adds per instruction; K must be even); 'auto' is
+  'bfloat16' when every value is a bfloat16 value, else 'float32' (it needs concrete
+  values: decide outside jit with `bfloat16_exact`)."""
+  kernel = jnp.asarray(kernel)
+  if kernel.ndim != 2 or kernel.dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"pack wants a float32 or bfloat16 [K, N] kernel, got {kernel.dtype} "
+                     f"{kernel.shape}")
+  if weights not in WEIGHTS:
+    raise ValueError(f"pack: weights must be one of {WEIGHTS}, got {weights!r}")
+  if weights == "auto":
+    weights = "bfloat16" if bool(bfloat16_exact(kernel)) else "float32"
+  K, N = kernel.shape
+  P = -(-N // PANEL)
+  if weights == "int8":
+    w = kernel.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=0) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -127, 127)
+    return PackedKernel(panels=_panels(q, jnp.int8),
+                        scales=jnp.pad(scale, (0, P * PANEL - N), constant_values=1.0), n=N)
+  if weights == "bfloat16_dot":
+    if K % 2:
+      raise ValueError(f"pack: bfloat16_dot needs an even K, got [K, N] = {kernel.shape}")
+    panels = _panels(kernel, jnp.bfloat16)  # [P, K, 16] -> [P, K / 2, 16, 2]
+    return PackedKernel(panels=jnp.swapaxes(panels.reshape(P, K // 2, 2, PANEL), 2, 3), n=N)
+  return PackedKernel(panels=_panels(kernel, jnp.dtype(weights)), n=N)
 
 
 def unpack(packed: PackedKernel) -> jax.Array:
-  P, K, _ = packed.panels.shape
-  return jnp.transpose(packed.panels, (1, 0, 2)).reshape(K, P * PANEL)[:, :packed.n]
+  """The float32 matrix [K, N] the kernel multiplies by (for int8: q * scale)."""
+  panels = packed.panels
+  if packed.pairs:
+    P, K2 = panels.shape[:2]
+    panels = jnp.swapaxes(panels, 2, 3).reshape(P, 2 * K2, PANEL)
+  P, K, _ = panels.shape
+  w = jnp.transpose(panels, (1, 0, 2)).reshape(K, P * PANEL).astype(jnp.float32)
+  if packed.scales is not None:
+    w = w * packed.scales[None, :]
+  return w[:, :packed.n]
 
 
 def _threads() -> int:
@@ -111,7 +181,7 @@ def _threads() -> int:
 
 
 def matmul(x, kernel: PackedKernel) -> jax.Array:
-  """x [..., K] @ W -> [..., N] through the kernel (on CPU, when `available()`)."""
+  """x [..., K] @ W -> [..., N] float32 through the kernel (on CPU, when `available()`)."""
   reason = _register()
   if reason is not None:
     raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason}); multiply by "
@@ -121,9 +191,18 @@ def matmul(x, kernel: PackedKernel) -> jax.Array:
     raise ValueError(f"matmul: x has {x.shape[-1]} features, the kernel wants {K}")
   lead = x.shape[:-1]
   x2 = x.astype(jnp.float32).reshape(-1, K)
-  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32),
-                          vmap_method="sequential")
-  return call(x2, kernel.panels, threads=np.int64(_threads())).reshape(*lead, N)
+  if kernel.pairs and not has_bfloat16_dot():
+    raise RuntimeError(f"bfloat16_dot weights need a CPU with AVX512-BF16; "
+                       f"{cpu_info()['model']} has {cpu_info()['features']}")
+  width = chosen_width(x2.shape[0], K, N, kernel.dtype, kernel.pairs)
+  out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
+  attrs = dict(threads=np.int64(_threads()), width=np.int64(width))
+  if kernel.scales is None:
+    y = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x2, kernel.panels, **attrs)
+  else:
+    y = jax.ffi.ffi_call(_TARGET_SCALED, out, vmap_method="sequential")(
+        x2, kernel.panels, kernel.scales, **attrs)
+  return y.reshape(*lead, N)
 
 
 def _cpu_flags() -> str:
@@ -136,6 +215,26 @@ def _cpu_flags() -> str:
   return platform.processor()
 
 
+# CPU features that decide which variants exist or pay (x86 /proc/cpuinfo names).
+FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni",
+            "amx_tile", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info() -> dict[str, Any]:
+  """{'model': the CPU's model name, 'features': those of FEATURES it has}."""
+  model = platform.processor() or platform.machine()
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        model = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  flags = set(_cpu_flags().split(":", 1)[-1].split())
+  return {"model": model, "features": [f for f in FEATURES if f in flags]}
+
+
 def _build() -> Path:
   """Compiles cpu_matmul.cc (once per source, compiler, jaxlib and CPU) -> the .so path."""
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -145,13 +244,13 @@ def _build() -> Path:
   source = _SOURCE.read_bytes()
   key = hashlib.sha256(b"\0".join([
       source, " ".join(_FLAGS).encode(), compiler.encode(), include.encode(),
-      jax.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-  cache = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "spec_decode" / "kernels")
-  out = cache / f"cpu_matmul_{key}.so"
+      jax.__version__.encode(), cpu_info()["model"].encode(),
+      _cpu_flags().encode()])).hexdigest()[:16]
+  out = _cache_dir() / f"cpu_matmul_{key}.so"
   if out.exists():
     return out
-  cache.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
   try:
     proc = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp],
@@ -165,18 +264,36 @@ def _build() -> Path:
   return out
 
 
+def _cache_dir() -> Path:
+  return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "spec_decode" / "kernels")
+
+
+_LIB: dict[str, Any] = {}  # the loaded library ('lib') and its path ('path')
+
+
 @functools.lru_cache(maxsize=None)
 def _register() -> str | None:
   """Builds and registers the kernel once per process; None on success, else why not."""
   if compile_options.switched_off(ENV_DISABLE):
     return f"disabled by {ENV_DISABLE}"
   try:
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                platform="cpu")
+    path = _build()
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in ((_TARGET, _SYMBOL), (_TARGET_SCALED, _SYMBOL_SCALED)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
+    lib.spec_decode_widths.restype = ctypes.c_int64
+    lib.spec_decode_has_bf16_dot.restype = ctypes.c_int
+    lib.spec_decode_matmul.restype = ctypes.c_int
+    lib.spec_decode_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+    lib.spec_decode_read_gbps.restype = ctypes.c_double
+    lib.spec_decode_read_gbps.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.spec_decode_fma_gflops.restype = ctypes.c_double
+    lib.spec_decode_fma_gflops.argtypes = [ctypes.c_int64] * 3
   except Exception as e:  # no compiler, no headers, an FFI mismatch: keep XLA's dots
     logging.warning("spec_decode: CPU decoding kernel unavailable, using XLA dots (%s)", e)
     return str(e)
+  _LIB.update(lib=lib, path=path)
   return None
 
 
@@ -189,6 +306,168 @@ def available(backend: str | None = None) -> bool:
 def unavailable_reason() -> str | None:
   """Why the kernel cannot be used (None when it can, on CPU)."""
   return _register()
+
+
+def _library():
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
+  return _LIB["lib"]
+
+
+def widths() -> tuple[int, ...]:
+  """The vector widths built into the kernel for this CPU (8; 16 with AVX-512F)."""
+  mask = int(_library().spec_decode_widths())
+  return tuple(w for w in (8, 16) if mask >> w & 1)
+
+
+def has_bfloat16_dot() -> bool:
+  """Whether the bfloat16 dot-product variant is built (the CPU has AVX512-BF16)."""
+  return bool(_library().spec_decode_has_bf16_dot())
+
+
+def _width_override() -> int | None:
+  raw = os.environ.get(ENV_WIDTH, "").strip()
+  if not raw:
+    return None
+  if raw not in ("8", "16"):
+    raise ValueError(f"{ENV_WIDTH} must be 8 or 16, got {raw!r}")
+  if int(raw) not in widths():
+    raise ValueError(f"{ENV_WIDTH}={raw}: this CPU's kernel has widths {widths()} only "
+                     f"({cpu_info()['model']})")
+  return int(raw)
+
+
+def _random_operands(M: int, K: int, N: int, dtype, pairs: bool = False):
+  rng = np.random.default_rng(0)
+  P = -(-N // PANEL)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  if np.dtype(dtype) == np.int8:
+    panels = rng.integers(-127, 128, (P, K, PANEL)).astype(np.int8)
+  else:
+    shape = (P, K // 2, PANEL, 2) if pairs else (P, K, PANEL)
+    panels = (rng.standard_normal(shape) / np.sqrt(K)).astype(dtype)
+  scales = np.ones(P * PANEL, np.float32)
+  return x, panels, scales, np.zeros((M, N), np.float32)
+
+
+def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, width: int) -> np.ndarray:
+  """The kernel's product on numpy arrays in this thread (no XLA): x [M, K] float32,
+  panels [P, K, 16] of float32/bfloat16/int8 or bfloat16 pairs [P, K / 2, 16, 2], scales
+  [16 P] for int8 (else None)."""
+  x = np.ascontiguousarray(x, np.float32)
+  panels = np.ascontiguousarray(panels)
+  y = np.zeros((x.shape[0], n), np.float32)
+  code = 3 if panels.ndim == 4 else _DTYPE_CODES[panels.dtype]
+  s = None if scales is None else np.ascontiguousarray(scales, np.float32)
+  if _library().spec_decode_matmul(x.ctypes.data, panels.ctypes.data,
+                                   None if s is None else s.ctypes.data, y.ctypes.data,
+                                   x.shape[0], x.shape[1], n, code, width) != 0:
+    raise ValueError(f"raw_matmul: width {width} or {panels.dtype} weights not built")
+  return y
+
+
+# The width tuner streams its weights through this many bytes of copies, so that they come
+# from memory as a decode step's do, not from a cache that holds one small matrix.
+TUNE_STREAM_BYTES = 48 << 20
+
+
+def time_width(M: int, K: int, N: int, dtype, width: int, repeats: int = 3,
+               stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
+  """Seconds of one product [M, K] x [K, N] (weights of `dtype`) at `width` in this thread:
+  the least, over `repeats` sweeps after one warm-up, of a sweep's time per product, a
+  sweep multiplying by each of enough copies of the weights to fill `stream_bytes`."""
+  x, panels, scales, _ = _random_operands(M, K, N, dtype, pairs)
+  scales = scales if np.dtype(dtype) == np.int8 else None
+  copies = [panels] + [panels.copy() for _ in range(max(0, stream_bytes // panels.nbytes - 1))]
+  best = float("inf")
+  for i in range(repeats + 1):
+    t0 = time.perf_counter()
+    for c in copies:
+      raw_matmul(x, c, scales, N, width)
+    if i:
+      best = min(best, (time.perf_counter() - t0) / len(copies))
+  return best
+
+
+def _tuning_path() -> Path:
+  key = hashlib.sha256(str(_LIB["path"]).encode()).hexdigest()[:16]  # per build, so per CPU
+  return _cache_dir() / f"widths_{key}.json"
+
+
+_CHOSEN: dict[str, int] = {}
+
+
+def chosen_width(M: int, K: int, N: int, dtype, pairs: bool = False) -> int:
+  """The vector width the kernel uses for M rows times [K, N] weights of `dtype` on this
+  CPU: the override (SPEC_DECODE_CPU_KERNEL_WIDTH), else the faster width, measured once
+  per CPU, weight shape and power-of-two bucket of M (`time_width`, at the bucket's top)
+  and kept in the kernel cache. Every width gives the same bits, so the choice changes
+  only the time."""
+  override = _width_override()
+  if override is not None:
+    return override
+  built = widths()
+  if len(built) == 1:
+    return built[0]
+  rows = 1 << max(0, M - 1).bit_length()  # measured per power-of-two bucket of row counts
+  name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}{'_dot' if pairs else ''}"
+  if not _CHOSEN:
+    try:
+      _CHOSEN.update(json.loads(_tuning_path().read_text()))
+    except (OSError, ValueError):
+      pass
+  if _CHOSEN.get(name) not in built:
+    times = {w: time_width(rows, K, N, dtype, w, pairs=pairs) for w in built}
+    _CHOSEN[name] = min(built, key=times.__getitem__)
+    _save_choices()
+  return _CHOSEN[name]
+
+
+def _save_choices():
+  path = _tuning_path()
+  try:
+    merged = json.loads(path.read_text()) if path.exists() else {}
+  except (OSError, ValueError):
+    merged = {}
+  merged.update(_CHOSEN)
+  try:
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+      json.dump(merged, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except OSError as e:  # a read-only cache: keep the choices for this process only
+    logging.warning("spec_decode: could not save kernel width choices to %s (%s)", path, e)
+
+
+def describe() -> dict[str, Any]:
+  """The CPU and the kernel as decoding uses them: model, features, whether the kernel is
+  on (or why not), the widths built and the width chosen per weight shape so far."""
+  info = dict(cpu_info())
+  reason = _register()
+  info["kernel"] = "off: " + reason if reason else "on"
+  if reason is None:
+    info["widths"] = list(widths())
+    info["bfloat16_dot"] = has_bfloat16_dot()
+    info["width_override"] = os.environ.get(ENV_WIDTH) or None
+    info["chosen_widths"] = dict(sorted(_CHOSEN.items()))
+  return info
+
+
+def read_bandwidth(nbytes: int, *, threads: int = 0, passes: int = 5) -> float:
+  """GB/s of reading an `nbytes` buffer `passes` times with `threads` threads (0: one per
+  core this process may use): the bound a weight-streaming step can reach."""
+  threads = threads or len(os.sched_getaffinity(0))
+  buf = np.ones(max(nbytes // 4, 1024), np.float32)
+  _library().spec_decode_read_gbps(buf.ctypes.data, buf.nbytes, 1, threads)  # warm
+  return float(_library().spec_decode_read_gbps(buf.ctypes.data, buf.nbytes, passes, threads))
+
+
+def fma_peak(width: int, *, threads: int = 0, iters: int = 20_000_000) -> float:
+  """GFLOP/s of independent multiply-add chains of `width`-wide vectors on `threads`
+  threads (0: one per core this process may use): the arithmetic bound."""
+  threads = threads or len(os.sched_getaffinity(0))
+  return float(_library().spec_decode_fma_gflops(width, iters, threads))
 
 
 class PackCache:
@@ -208,9 +487,10 @@ class PackCache:
     """Whether `tree` is one of the packed trees this cache holds (so needs no packing)."""
     return any(packed is tree for _, _, packed in self._entries)
 
-  def get(self, tree, make):
+  def get(self, tree, make, tag: Any = None):
+    """`make(tree)`, made once per tree (and `tag`: another packing of the same tree)."""
     leaves = jax.tree_util.tree_leaves(tree)
-    key = tuple(id(leaf) for leaf in leaves)
+    key = (tag,) + tuple(id(leaf) for leaf in leaves)
     for i, (k, refs, packed) in enumerate(self._entries):
       if k == key and all(r() is leaf for r, leaf in zip(refs, leaves)):
         self._entries.append(self._entries.pop(i))

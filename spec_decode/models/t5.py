@@ -288,14 +288,25 @@ class T5(base.ParamSpecs):
     tables, norms and LM head) to the device right before use, with one layer of
     prefetch (`offload.fetch`), so a model larger than device memory runs. The
     building blocks `cross_kv` and `decoder_layer` take device-resident layers.
+  kernel_weights: how `decode_params` stores the weights it packs for the CPU decoding
+    kernel: 'auto' (default: bfloat16 when every packed weight is a bfloat16 value, as
+    for a checkpoint stored in bfloat16, which gives the float32 model's bits at half the
+    bytes; else float32), 'float32', 'bfloat16' (rounds float32 weights), 'int8' (per
+    column scales) or 'bfloat16_dot' (bfloat16 weights and activations in AVX512-BF16 dot
+    products, float32 sums: twice the multiply-adds per instruction, for compute-bound
+    batches). The last three change the model's function; see `cpu_matmul.pack`.
   """
   config: T5Config
   stream_params: bool = False
+  kernel_weights: str = "auto"
   supports_packed_encoding = True  # encode(packed_index=): see `base.packing_index`
 
   def __post_init__(self):
     if not isinstance(self.stream_params, bool):
       raise ValueError(f"T5.stream_params must be True or False, got {self.stream_params!r}")
+    if self.kernel_weights not in cpu_matmul.WEIGHTS:
+      raise ValueError(f"T5.kernel_weights must be one of {cpu_matmul.WEIGHTS}, got "
+                       f"{self.kernel_weights!r}")
 
   @property
   def vocab_size(self) -> int:
@@ -622,13 +633,13 @@ class T5(base.ParamSpecs):
     """`params` laid out for decoding on this backend; the same values.
 
     On XLA:CPU with float32 weights, every encoder and decoder kernel [I, O] of at least
-    `cpu_matmul.MIN_PACKED_ELEMENTS` elements becomes a `cpu_matmul.PackedKernel`, which
-    the model multiplies by with the weight-streaming CPU kernel (a verify call of
-    gamma + 1 tokens then reads each weight once, as a single-token step does); smaller
-    matrices keep XLA's dot. Elsewhere, when no kernel is that large, when the kernel is
-    unavailable, or for streamed parameters, `params` is returned as is. The packed copy
-    is made once per parameter tree (cached by the leaves' identity), so decoders call
-    this per call.
+    `cpu_matmul.MIN_PACKED_ELEMENTS` elements becomes a `cpu_matmul.PackedKernel` (stored
+    as `kernel_weights` says), which the model multiplies by with the weight-streaming CPU
+    kernel (a verify call of gamma + 1 tokens then reads each weight once, as a
+    single-token step does); smaller matrices keep XLA's dot. Elsewhere, when no kernel is
+    that large, when the kernel is unavailable, or for streamed parameters, `params` is
+    returned as is. The packed copy is made once per parameter tree and `kernel_weights`
+    (cached by the leaves' identity), so decoders call this per call.
     """
     threshold = cpu_matmul.MIN_PACKED_ELEMENTS
     if (self.stream_params or self.config.dtype != jnp.float32
@@ -636,7 +647,18 @@ class T5(base.ParamSpecs):
         or _PACKED.made(params)
         or not cpu_matmul.available()):
       return params
-    return _PACKED.get(params, functools.partial(_pack_kernels, threshold=threshold))
+    return _PACKED.get(params, functools.partial(self._pack, threshold=threshold),
+                       tag=self.kernel_weights)
+
+  def _pack(self, params, threshold: int):
+    weights = self.kernel_weights
+    if weights == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
+      info = cpu_matmul.cpu_info()
+      raise ValueError(f"T5.kernel_weights='bfloat16_dot' needs a CPU with AVX512-BF16; "
+                       f"this one ({info['model']}) has {', '.join(info['features'])}")
+    if weights == "auto":
+      weights = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    return _pack_kernels(params, threshold=threshold, weights=weights)
 
   # ---------------------------------------------------------------- teacher forcing
   def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
@@ -680,14 +702,23 @@ def _kernel(tree, name):
   return leaf if getattr(leaf, "ndim", 0) == 2 else None
 
 
-@functools.partial(jax.jit, static_argnames="threshold")
-def _pack_kernels(params, threshold: int):
+@jax.jit
+def _kernels_bfloat16_exact(params):
+  """Whether every 2-D kernel under encoder/ and decoder/ holds bfloat16 values only (a
+  checkpoint stored in bfloat16), so packing them as bfloat16 loses nothing."""
+  kernels = [leaf for name in ("encoder", "decoder")
+             for leaf in jax.tree_util.tree_leaves(params.get(name, {})) if leaf.ndim == 2]
+  return jnp.all(jnp.stack([cpu_matmul.bfloat16_exact(k) for k in kernels]))
+
+
+@functools.partial(jax.jit, static_argnames=("threshold", "weights"))
+def _pack_kernels(params, threshold: int, weights: str = "float32"):
   """Every 2-D `kernel` under encoder/ and decoder/ with >= `threshold` elements as a
-  PackedKernel (float32), the others as they are (so a packed tree packs to itself); an
-  attention block's query/key/value (cross-attention's key/value) and an MLP's gated input
-  kernels are joined into one packed kernel (`JOINED`, `JOINED_MLP`) when that is large
-  enough, replacing them."""
-  pack = lambda k: cpu_matmul.pack(k.astype(jnp.float32))
+  PackedKernel (`weights`: float32, bfloat16 or int8), the others as they are (so a packed
+  tree packs to itself); an attention block's query/key/value (cross-attention's
+  key/value) and an MLP's gated input kernels are joined into one packed kernel (`JOINED`,
+  `JOINED_MLP`) when that is large enough, replacing them."""
+  pack = lambda k: cpu_matmul.pack(k.astype(jnp.float32), weights)
 
   def join(tree, names, joined):
     kernels = [_kernel(tree, n) for n in names]
