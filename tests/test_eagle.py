@@ -198,7 +198,7 @@ def test_training_time_test_matches_drafting():
 @pytest.mark.slow
 def test_training_resumes_from_its_workdir(tmp_path):
   target, tp, *_ = _setup()
-  split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (7, 1)))  # ids < V
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=2, num_steps=2, input_length=4,
                                      target_length=4, workdir=str(tmp_path / "w"),
                                      export_path=str(tmp_path / "head"))
