@@ -29,16 +29,14 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from experiments import _common, costs, setups
-from experiments._common import Column, fmt
-from spec_decode import batching, metrics, timing
+from experiments import harness, setups
+from experiments.harness import Column, fmt
+from spec_decode.decoding import timing
 from spec_decode.experiment import release_executables_if_crowded
 from spec_decode.models.delayed import DelayedDecoder
 
@@ -78,11 +76,11 @@ def _calibrate(args, draft, dparams, enc, cache_length: int, t_p: float) -> dict
   if args.delay_mode == "sleep":
     return {x: x * t_p for x in args.added_c}
   probe = 8
-  step = lambda d: costs.decode_step(model, model.wrap_params(dparams, d), enc, num_tokens=1,
+  step = lambda d: timing.decode_loop(model, model.wrap_params(dparams, d), enc, num_tokens=1,
                                      cache_length=cache_length, steps=args.loop_steps)
   while True:  # grow the probe until it adds at least T_p / 2 (well above timing noise)
-    t = costs.interleaved({"0": step(0), "p": step(probe)}, repeats=max(3, args.repeats),
-                          inner=args.inner)
+    t = timing.interleaved({"0": step(0), "p": step(probe)}, repeats=max(3, args.repeats),
+                           inner=args.inner)
     extra = float(np.median(t["p"]) - np.median(t["0"]))
     if extra > 0.5 * t_p or probe >= 1 << 20:
       break
@@ -91,51 +89,26 @@ def _calibrate(args, draft, dparams, enc, cache_length: int, t_p: float) -> dict
   return {x: float(max(1, round(x * t_p / per_iteration))) for x in args.added_c}
 
 
-def _decode_all(fn, batches) -> tuple[float, list]:
-  total, outs = 0.0, []
-  for enc, ids in batches:
-    t = timing.timed(lambda: fn(enc, ids))
-    total += t.seconds[0]
-    outs.append(t.result)
-  return total, outs
-
-
-def _stats(outs, n_rows: int) -> dict[str, float]:
-  cat = lambda key: np.concatenate([np.asarray(getattr(r.stats, key)) for r in outs])[:n_rows]
-  lengths = np.concatenate([np.asarray(r.lengths) for r in outs])[:n_rows]
-  dec, calls = cat("decisions").sum(), cat("target_calls").sum()
-  return {"alpha": metrics.alpha_estimate(min_pq_sum=cat("min_pq_sum"), decisions=dec),
-          "alpha_observed": float(cat("accepted").sum() / dec) if dec else math.nan,
-          "tokens": float(lengths.sum()),
-          "tokens_per_call": float(lengths.sum() / calls) if calls else math.nan}
-
-
-def run(args) -> dict[str, Any]:
-  from spec_decode import decoding, theory
+def sweep(args) -> dict[str, Any]:
+  from spec_decode import decoding, experiment, theory
   base, loaded, notes = _load(args)
   cfg = base.config
   target, tparams = base.target, base.target_params
-  B, S = cfg.batch_size, cfg.feature_lengths["inputs"]
-  examples = list(base.examples)
-  batches = []
-  for i in range(0, len(examples), B):
-    chunk = examples[i:i + B]
-    enc, ids = batching.example_batch(chunk, batch_size=B, input_length=S)
-    batches.append((jnp.asarray(enc), jnp.asarray(ids)))
+  batches, n = harness.setup_batches(base)
   variants = [Variant(f"{d} (natural)" if args.added_c else d, d, s.draft, s.draft_params)
               for d, s in loaded.items() if d in args.drafts]
   cache_length = cfg.decode_len + max(args.gammas) + 1
   enc = batches[0][0]
-  kw = dict(cache_length=cache_length, position=cfg.decode_len // 2)
-  # Step costs as the marginal cost of one more decode in a jitted loop (loops of
-  # k = --loop_steps and 2k decodes, see costs.interleaved): a k-decode call divided by k
-  # would charge each step a share of the call's fixed cost (for the 3.7M demo target
-  # 0.385 ms per step against 0.13 ms marginal), pulling c and T_verify / T_p towards 1.
-  marginal = lambda model, params, n: costs.marginal_steps(
-      model, params, enc, num_tokens=n, steps=args.loop_steps, **kw)
-  t_p0 = float(np.median(costs.interleaved(
-      {"t": marginal(target, tparams, 1)}, repeats=max(3, args.repeats),
-      inner=args.inner)["t"]))
+  workload = timing.Workload(target=target, target_params=tparams, encoder_tokens=enc,
+                             cache_length=cache_length, position=cfg.decode_len // 2)
+  # Every step cost is the marginal cost of one more decode in a jitted loop (loops of
+  # k = --loop_steps and 2k decodes: `decoding.timing`); a k-decode call divided by k would
+  # charge each step a share of the call's fixed cost (for the 3.7M demo target 0.385 ms
+  # per step against 0.13 ms marginal), pulling c and T_verify / T_p towards 1.
+  costs = lambda decoders, drafts, verify, repeats: experiment.step_costs(
+      workload, decoders, drafts=drafts, verify_tokens=verify, repeats=repeats,
+      inner=args.inner, steps=args.loop_steps)
+  t_p0 = costs({}, {}, (), max(3, args.repeats))["target_step"]["median"]
   if args.added_c and args.delay_draft in loaded:
     d = loaded[args.delay_draft]
     delays = _calibrate(args, d.draft, d.draft_params, enc, cache_length, t_p0)
@@ -145,55 +118,44 @@ def run(args) -> dict[str, Any]:
       variants.append(Variant(f"{args.delay_draft} +{x:g} T_p ({delay:.4g}{unit})",
                               args.delay_draft, model, model.wrap_params(d.draft_params, delay),
                               added=x, delay=delay))
-  # Step costs, interleaved: T_p, each variant's T_q, and the verify calls.
-  fns = {"target": marginal(target, tparams, 1)}
-  for i, v in enumerate(variants):
-    fns[f"draft_{i}"] = marginal(v.model, v.params, 1)
-  for g in args.gammas:
-    fns[f"verify_{g}"] = marginal(target, tparams, g + 1)
-  times = costs.interleaved(fns, repeats=args.repeats, inner=args.inner)
-  t_p = times["target"]
-  c = [_common.spread(costs.ratios(times[f"draft_{i}"], t_p)) for i in range(len(variants))]
-  verify = {g: _common.spread(costs.ratios(times[f"verify_{g}"], t_p)) for g in args.gammas}
-  # End-to-end decoding, interleaved over rounds.
+  # Step costs, interleaved: T_p, each variant's T_q (a one-token proposal), the verify calls.
+  step = costs({f"draft_{i}": decoding.Speculative(gamma=1) for i in range(len(variants))},
+               {f"draft_{i}": (v.model, v.params) for i, v in enumerate(variants)},
+               [g + 1 for g in args.gammas], args.repeats)
+  c = [step["c"][f"draft_{i}"] for i in range(len(variants))]
+  verify = {g: step["verify_ratio"][g + 1] for g in args.gammas}
+  # End-to-end decoding. Each speculative pass is paired with an autoregressive pass just
+  # before it (`harness.time_decodes` rounds): this machine's speed drifts by tens of
+  # percent over the minutes a sweep takes, so one baseline pass per round would bias the
+  # later variants' ratios. One variant and gamma at a time, all its rounds together: a
+  # sweep's ~70 compiled loops would not fit in the process's memory maps at once (see
+  # experiment.release_executables_if_crowded).
   common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
                 rng=jax.random.PRNGKey(cfg.seed))
-  ar = lambda enc, ids: decoding.autoregressive(target, tparams, enc, row_ids=ids, **common)
-  spec = {(i, g): (lambda enc, ids, v=v, g=g: decoding.speculative(
-      target, tparams, v.model, v.params, enc, gamma=g, row_ids=ids, **common))
-      for i, v in enumerate(variants) for g in args.gammas}
-  # Each speculative pass is paired with an autoregressive pass just before it: this
-  # machine's speed drifts by tens of percent over the minutes a sweep takes, so one
-  # baseline pass per round would bias the later variants' ratios. One variant and gamma
-  # at a time, all its rounds together: a sweep's ~70 compiled loops would not fit in the
-  # process's memory maps at once (see experiment.release_executables_if_crowded).
-  ar_s, spec_s, outs = {k: [] for k in spec}, {k: [] for k in spec}, {}
-  jax.block_until_ready(ar(*batches[0]))
-  for k, f in spec.items():
-    jax.block_until_ready(f(*batches[0]))
-    for _ in range(args.repeats):
-      ar_s[k].append(_decode_all(ar, batches)[0])
-      seconds, outs[k] = _decode_all(f, batches)
-      spec_s[k].append(seconds)
-    if release_executables_if_crowded():
-      jax.block_until_ready(ar(*batches[0]))  # compiled again before it is timed
+  ar = harness.decode_fn(decoding.Autoregressive(), target, tparams, **common)
   rows = []
-  for (i, g), secs in spec_s.items():
-    st = _stats(outs[(i, g)], len(examples))
-    speedups = costs.ratios(ar_s[(i, g)], secs)
-    a, cm = st["alpha"], c[i]["median"]
-    ok = not math.isnan(a)
-    rows.append({
-        "variant": variants[i].label, "draft": variants[i].draft, "added_c": variants[i].added,
-        "delay": variants[i].delay,
-        "c": cm, "c_spread": c[i], "gamma": g, "alpha": a, "alpha_observed": st["alpha_observed"],
-        "tokens_per_call": st["tokens_per_call"], "verify_ratio": verify[g]["median"],
-        "autoregressive_seconds": float(np.median(ar_s[(i, g)])), "speculative_seconds": float(
-            np.median(secs)), "speedup": float(np.median(speedups)),
-        "speedup_spread": _common.spread(speedups),
-        "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
-        "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + verify[g]["median"])
-        if ok else None})
+  for i, v in enumerate(variants):
+    for g in args.gammas:
+      spec = harness.decode_fn(decoding.Speculative(gamma=g), target, tparams, v.model,
+                               v.params, **common)
+      t = harness.time_decodes({"autoregressive": ar, "speculative": spec}, batches,
+                               repeats=args.repeats)
+      release_executables_if_crowded()
+      st = harness.decode_stats(t["speculative"].outputs, n)
+      speedups = [a / b for a, b in zip(t["autoregressive"].seconds, t["speculative"].seconds)]
+      a, cm = st["alpha"], c[i]
+      ok = not math.isnan(a)
+      rows.append({
+          "variant": v.label, "draft": v.draft, "added_c": v.added, "delay": v.delay,
+          "c": cm, "c_spread": step["c_rounds"][f"draft_{i}"], "gamma": g, "alpha": a,
+          "alpha_observed": st["alpha_observed"],
+          "tokens_per_call": st["tokens_per_target_call"], "verify_ratio": verify[g],
+          "autoregressive_seconds": float(np.median(t["autoregressive"].seconds)),
+          "speculative_seconds": float(np.median(t["speculative"].seconds)),
+          "speedup": float(np.median(speedups)), "speedup_spread": harness.spread(speedups),
+          "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
+          "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + verify[g])
+          if ok else None})
   for v_rows in _by_variant(rows).values():
     best = max(v_rows, key=lambda r: r["speedup"])
     a = _mean_alpha(v_rows)
@@ -202,9 +164,10 @@ def run(args) -> dict[str, Any]:
       r["variant_alpha"] = a
       r["optimal_gamma_thm38"] = None if math.isnan(a) else int(
           theory.optimal_gamma(a, r["c"], max_gamma=max(args.gammas)))
-  return {"rows": rows, "notes": notes, "target_step": _common.spread(t_p),
-          "target": cfg.target.label, "task": cfg.task, "examples": len(examples),
-          "batch_size": B, "temperature": cfg.temperature, "decode_len": cfg.decode_len}
+  return {"rows": rows, "notes": notes, "target_step": step["target_step"],
+          "target": cfg.target.label, "task": cfg.task, "examples": n,
+          "batch_size": cfg.batch_size, "temperature": cfg.sampling.temperature,
+          "decode_len": cfg.decode_len}
 
 
 def _mean_alpha(rows: list[dict]) -> float:
@@ -341,27 +304,22 @@ def parse_args(argv: Sequence[str]):
                  "(see costs.py)")
   p.add_argument("--demo_models", default=None)
   p.add_argument("--no_plots", dest="plots", action="store_false")
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   args.drafts = tuple(d.strip() for d in args.drafts.split(",") if d.strip())
   bad = [d for d in args.drafts + (args.delay_draft,) if d not in setups.DRAFTS]
   if bad:
     p.error(f"unknown drafts {bad}; known: {setups.DRAFTS}")
-  args.added_c = _common.parse_floats(args.added_c, "added_c") if args.added_c.strip() else ()
+  args.added_c = harness.parse_floats(args.added_c, "added_c") if args.added_c.strip() else ()
   if any(x <= 0 for x in args.added_c):
     p.error("--added_c values must be > 0")
-  args.gammas = _common.parse_ints(args.gammas, "gammas")
+  args.gammas = harness.parse_ints(args.gammas, "gammas")
   args.num_examples = args.num_examples or (2 if args.scale == "tiny" else 40)
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.ablate", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
-  res = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  res = sweep(args)
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
           Column("gamma", "gamma"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
@@ -373,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
           Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)")]
   notes = [f"target {res['target']} on {res['task']}, {res['examples']} examples, batch "
            f"{res['batch_size']}, temperature {res['temperature']:g}, up to {res['decode_len']} "
-           f"tokens; T_p = {_common.fmt_spread(res['target_step'], scale=1e3)} ms.",
+           f"tokens; T_p = {harness.fmt_spread(res['target_step'], scale=1e3)} ms.",
            f"Delay mode {args.delay_mode}: " + (
                f"a chain of [{args.matmul_size}, {args.matmul_size}] matmuls per draft call"
                if args.delay_mode == "compute" else "a host-callback sleep per draft call")
@@ -381,16 +339,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "per call.",
            f"Speedups: median over {args.repeats} passes of autoregressive / speculative seconds "
            "on the same examples, each speculative pass timed right after its own baseline "
-           "pass (the machine's speed drifts); c and T_verify/T_p are medians of per-round "
-           "ratios of marginal step costs: (t(2k) - t(k)) / k for jitted loops of k = "
-           f"{args.loop_steps} and 2k decodes (no per-step dispatch, no call's fixed cost)."] + \
+           "pass (the machine's speed drifts); c and T_verify/T_p are ratios of the medians of "
+           "marginal step costs over interleaved rounds: (t(2k) - t(k)) / k for jitted loops "
+           f"of k = {args.loop_steps} and 2k decodes (no per-step dispatch, no call's fixed "
+           "cost; experiment.measure.step_costs)."] + \
       res["notes"]
   stem = os.path.join(args.results_dir, f"ablate_{args.task}")
   os.makedirs(args.results_dir, exist_ok=True)
   figures = []
   if args.plots:
-    figures = plot(res, stem, _common.machine_line(meta["machine"]), meta["command"])
-  extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n\n" for f in figures)
+    figures = plot(res, stem, harness.machine_line(meta["machine"]), meta["command"])
   summary_cols = [
       Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
       Column("variant_alpha", "alpha", lambda v: fmt(v, 3)),
@@ -404,15 +362,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     best = next(r for r in v_rows if r["gamma"] == r["best_measured_gamma"])
     at_opt = next((r for r in v_rows if r["gamma"] == r["optimal_gamma_thm38"]), None)
     summary_rows.append(dict(best, speedup_at_optimal=at_opt and at_opt["speedup"]))
-  paths = _common.write_outputs(args.results_dir, f"ablate_{args.task}",
-                                title=f"Ablation: gamma and c sweeps ({args.task}, "
-                                f"{args.scale} scale)", columns=cols, rows=res["rows"],
-                                meta=meta, notes=notes, extra_md=extra_md,
-                                extra={"figures": [os.path.basename(f) for f in figures]},
-                                readme_table=(summary_cols, summary_rows))
-  print(open(paths["md"], encoding="utf-8").read())
-  paths.update({f"png_{i}": f for i, f in enumerate(figures)})
-  return paths
+  return harness.Output(f"ablate_{args.task}",
+                        f"Ablation: gamma and c sweeps ({args.task}, {args.scale} scale)", cols,
+                        res["rows"], notes, readme_table=(summary_cols, summary_rows),
+                        figures=figures)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.ablate", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -26,16 +26,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any, Sequence
 
-from experiments import _common, costs, setups
-from experiments._common import Column, fmt
+from experiments import harness, setups
+from experiments.harness import Column, fmt
 
 DEFAULT_RUNS_DIR = "/tmp/spec_decode_batch_scaling"
 
 
-def run(args) -> list[dict[str, Any]]:
+def sweep(args) -> list[dict[str, Any]]:
   from spec_decode import theory
   rows = []
   for B in args.batch_sizes:
@@ -44,32 +43,30 @@ def run(args) -> list[dict[str, Any]]:
                                 checkpoints=setups.parse_checkpoints(args.checkpoints),
                                 demo_target=args.demo_target)
     s = s.with_bindings(*setups.row_bindings(
-        gamma=args.gamma, temperature=args.temperature, batch_size=B,
-        num_examples=args.num_examples, step_timing_repeats=args.step_timing_repeats,
-        timing_repeats=args.timing_repeats), *args.gin_bindings)
-    if args.gamma is None:
-      s = s.with_bindings("GAMMA = None")  # chosen per batch size by the measured cost model
-    if args.compact_batch:
-      s = s.with_bindings("ExperimentConfig.compact_batch = True")
+        gamma=args.gamma, choose_gamma=args.gamma is None,  # chosen per batch size
+        temperature=args.temperature, batch_size=B, num_examples=args.num_examples,
+        step_timing_repeats=args.step_timing_repeats, timing_repeats=args.timing_repeats,
+        compact_batch=args.compact_batch or None), *args.gin_bindings)
     run_dir = os.path.join(args.runs_dir, args.scale, f"{args.demo_target or args.task}_"
                            f"{args.draft}_t{args.temperature:g}_g{args.gamma or 'auto'}_b{B}"
                            + ("_compact" if args.compact_batch else ""))
     print(f"batch {B} -> {run_dir}", flush=True)
     summary = setups.run(s, run_dir, show_progress=args.progress)
-    gamma = summary["experiment"]["gamma"]
+    gamma = summary["experiment"]["decoders"]["speculative"]["gamma"]
     pc = _costs(args, s, B, gamma)
     t = summary["timing"]
     n = summary["completed"]
     lengths = summary["mean_output_length"]
-    alpha, c, r = summary["alpha"], pc["c"]["median"], pc["verify_ratio"][gamma]["median"]
+    alpha, c, r = summary["alpha"], pc["c"]["speculative"], pc["verify_ratio"][gamma + 1]
     ok = alpha is not None and not math.isnan(alpha)
     rows.append({
         "batch_size": B, "gamma": gamma, "examples": n, "alpha": alpha,
         "tokens_per_call": summary["tokens_per_target_call"], "c": c, "verify_ratio": r,
-        "c_spread": pc["c"], "c_run": t["c"], "verify_ratio_run": t["verify_ratio"],
+        "c_spread": pc["c_rounds"]["speculative"], "c_run": t["c"],
+        "verify_ratio_run": t["verify_ratio"],
         "thm38_run": summary["speedup_predicted"],
         "target_step_ms": pc["target_step"]["median"] * 1e3,
-        "draft_step_ms": pc["draft_step"]["median"] * 1e3,
+        "draft_step_ms": pc["proposal"]["speculative"]["median"] / gamma * 1e3,
         "autoregressive_tokens_per_s": lengths["autoregressive"] * n
         / t["autoregressive_seconds"],
         "speculative_tokens_per_s": lengths["speculative"] * n / t["speculative_seconds"],
@@ -82,18 +79,19 @@ def run(args) -> list[dict[str, Any]]:
 
 
 def _costs(args, setup: setups.Setup, B: int, gamma: int) -> dict[str, Any]:
-  """In-loop, interleaved step costs of the run's target and draft on its first batch."""
-  import jax.numpy as jnp
-
-  from spec_decode import data
+  """In-loop, interleaved step costs of the run's target and draft on its first batch
+  (`experiment.measure.step_costs`, as every driver measures them)."""
+  from spec_decode import decoding, experiment
+  from spec_decode.decoding import timing
   st = setups.load(setup)
   cfg = st.config
-  enc = jnp.asarray(data.encoder_batch(list(st.examples[:B]), batch_size=B,
-                                       input_length=cfg.feature_lengths["inputs"]))
-  return costs.pair_costs(st.target, st.target_params, st.draft, st.draft_params, enc,
-                          gammas=(gamma,), cache_length=cfg.decode_len + gamma + 1,
-                          position=cfg.decode_len // 2, steps=args.loop_steps,
-                          repeats=args.repeats, inner=args.inner)
+  enc = harness.setup_batches(st)[0][0][0]
+  workload = timing.Workload(target=st.target, target_params=st.target_params,
+                             encoder_tokens=enc, cache_length=cfg.decode_len + gamma + 1,
+                             position=cfg.decode_len // 2, draft=st.draft,
+                             draft_params=st.draft_params)
+  return experiment.step_costs(workload, {"speculative": decoding.Speculative(gamma=gamma)},
+                               repeats=args.repeats, inner=args.inner, steps=args.loop_steps)
 
 
 def plot(rows: list[dict], path: str, machine: str, command: str) -> str:
@@ -151,11 +149,11 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--gin_bindings", action="append", default=[],
                  help="extra gin bindings for every run")
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--progress", action="store_true")
   p.add_argument("--no_plots", dest="plots", action="store_false")
   args = p.parse_args(list(argv))
-  args.batch_sizes = _common.parse_ints(args.batch_sizes, "batch_sizes")
+  args.batch_sizes = harness.parse_ints(args.batch_sizes, "batch_sizes")
   args.num_examples = args.num_examples or max(args.batch_sizes)
   if args.gamma == "auto":
     args.gamma = None
@@ -169,13 +167,8 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.batch_scaling", argv, **{
-      k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
-  rows = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  rows = sweep(args)
   stem = (args.demo_target or args.task) + ("_compact" if args.compact_batch else "")
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("batch_size", "batch"), Column("gamma", "gamma"),
@@ -206,15 +199,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
   os.makedirs(args.results_dir, exist_ok=True)
   if args.plots:
     figures = [plot(rows, os.path.join(args.results_dir, f"batch_scaling_{stem}.png"),
-                    _common.machine_line(meta["machine"]), meta["command"])]
-  extra_md = "".join(f"![{os.path.basename(f)}]({os.path.basename(f)})\n" for f in figures)
-  paths = _common.write_outputs(args.results_dir, f"batch_scaling_{stem}",
-                                title=f"Batch scaling ({stem}, {args.scale} scale)",
-                                columns=cols, rows=rows, meta=meta, notes=notes,
-                                extra_md=extra_md,
-                                extra={"figures": [os.path.basename(f) for f in figures]})
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+                    harness.machine_line(meta["machine"]), meta["command"])]
+  return harness.Output(f"batch_scaling_{stem}", f"Batch scaling ({stem}, {args.scale} scale)",
+                        cols, rows, notes, figures=figures)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.batch_scaling", argv, parse_args, run,
+                      private=("results_dir", "runs_dir"))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ Reports, for the given mesh and batch size (timings after compilation,
     beyond its model calls (gamma T_q + T_verify) as a fraction of one verify call, the
     speculative call's fixed cost beyond the autoregressive one's, the loops' own speedup
     and the measured speedup as fractions of the cost model, and as a fraction of the
-    speedup of decoders that spend time only on model work (`costs.model_work_speedup`:
+    speedup of decoders that spend time only on model work (`experiment.measure.model_work_speedup`:
     the set-up charged, at the iterations the calls ran);
   * on GPU/TPU (or with --roofline on): bytes one target step reads / measured
     device copy bandwidth, the step's memory-roofline time, and its ratio to T_p.
@@ -41,119 +41,55 @@ import argparse
 import json
 import math
 import os
-import sys
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from experiments import _common, costs, setups
-from experiments._common import Column, fmt, fmt_spread
-from spec_decode import batching, metrics, timing
-
-
-def model_spec(text: str, config: str | None, dtype: str | None, seed: int, vocab_size,
-               role: str):
-  """The ModelSpec of a --target/--draft argument: demo:<name> (a shipped demo model), a T5
-  preset (random weights, `config` JSON overrides) or a checkpoint path."""
-  from spec_decode.model_specs import ModelSpec
-  from spec_decode.models import t5
-  overrides = json.loads(config) if config else {}
-  if not isinstance(overrides, dict):
-    raise ValueError(f"--{role}_config must be a JSON object, got {config!r}")
-  if text.startswith("demo:"):
-    path = os.path.join(setups.DEMO_DIR, text[len("demo:"):])
-    return ModelSpec(checkpoint=path, dtype=dtype, name=f"demo {text[len('demo:'):]}")
-  if text in t5.PRESETS:
-    if vocab_size:
-      overrides.setdefault("vocab_size", vocab_size)
-    shown = {k: v for k, v in overrides.items() if k != "vocab_size"}
-    return ModelSpec(preset=text, config=overrides, dtype=dtype, seed=seed,
-                     name=f"{text}{' ' + json.dumps(shown) if shown else ''} (random)")
-  if overrides:
-    raise ValueError(f"--{role}_config applies to presets only, not to checkpoint {text!r}")
-  return ModelSpec(checkpoint=text, dtype=dtype)
+from experiments import harness, setups
+from experiments.harness import Column, fmt, fmt_spread
+from spec_decode.decoding import timing
 
 
 def _inputs(args, vocab_size: int) -> np.ndarray:
   """[num_examples, input_length] encoder ids: the task's examples or random ids."""
   if args.task:
-    from spec_decode import data
-    task = data.get_task(args.task)
-    examples = data.load_examples(task, split=args.split, num_examples=args.num_examples,
-                                  feature_lengths={"inputs": args.input_length,
-                                                   "targets": args.decode_len})
-    return np.concatenate([data.encoder_batch([ex], batch_size=1,
-                                              input_length=args.input_length)
-                           for ex in examples])
-  return np.asarray(costs.random_encoder_tokens(args.num_examples, args.input_length, vocab_size,
-                                                seed=args.seed))
+    return harness.task_inputs(args.task, split=args.split, num_examples=args.num_examples,
+                               input_length=args.input_length, decode_len=args.decode_len)
+  return harness.random_encoder_tokens(args.num_examples, args.input_length, vocab_size,
+                                       seed=args.seed)
 
 
-def _e2e(args, target, tparams, draft, dparams, inputs: np.ndarray, mesh) -> dict[str, Any]:
+def _e2e(args, models, inputs: np.ndarray, mesh) -> dict[str, Any]:
   """Autoregressive and speculative decoding of all inputs, batch by batch, interleaved."""
   from spec_decode import decoding
-  B = args.batch_size
-  batches = [b for b, _ in batching.batches(inputs, B)]
+  batches, n_rows = harness.batches(inputs, args.batch_size)
   common = dict(max_decode_len=args.decode_len, rng=jax.random.PRNGKey(args.seed),
                 sampling=decoding.Sampling(temperature=args.temperature),
-                **({"mesh": mesh} if mesh is not None else {}))
-  if mesh is None:
-    common["compiler_options"] = args.compiler_options
+                **({"mesh": mesh} if mesh is not None else
+                   {"compiler_options": args.compiler_options}))
   algos = {"autoregressive": decoding.Autoregressive(compact_batch=args.compact_batch),
            "speculative": decoding.Speculative(gamma=args.gamma,
                                                compact_batch=args.compact_batch)}
-  fns = {name: (lambda enc, ids, a=a: decoding.run(
-      a, target, tparams, enc, row_ids=ids,
-      **(dict(draft=draft, draft_params=dparams) if a.needs_draft else {}), **common))
-         for name, a in algos.items()}
-  ids = [jnp.arange(i * B, (i + 1) * B, dtype=jnp.int32) for i in range(len(batches))]
-  encs = [jnp.asarray(b) for b in batches]
-  from spec_decode.decoding import runner
-  warm = {}  # compile: one call per input shape the runs trim and pack to
-  for enc, i in zip(encs, ids):
-    warm.setdefault(runner.compiled_shape(target, enc) if mesh is None else None, (enc, i))
-  for enc, i in warm.values():
-    for f in fns.values():
-      jax.block_until_ready(f(enc, i))
-  seconds = {name: [] for name in fns}
-  per_call = {name: [math.inf] * len(encs) for name in fns}  # each batch's fastest call
-  last = {}
-  for _ in range(args.e2e_repeats):
-    for name, f in fns.items():
-      total, outs = 0.0, []
-      for b, (enc, i) in enumerate(zip(encs, ids)):
-        t = timing.timed(lambda: f(enc, i))
-        total += t.seconds[0]
-        per_call[name][b] = min(per_call[name][b], t.seconds[0])
-        outs.append(t.result)
-      seconds[name].append(total)
-      last[name] = outs
-  n_rows = len(inputs)
-
-  def real(outs, key: str) -> float:
-    """Sum of a per-row count over the real rows (the last batch may repeat its last row)."""
-    vals = [np.asarray(r.lengths if key == "lengths" else getattr(r.stats, key)) for r in outs]
-    return float(np.concatenate(vals)[:n_rows].sum())
-
+  draft, dparams = models.draft("draft")
+  fns = {name: harness.decode_fn(a, models.target, models.target_params, draft, dparams,
+                                 **common) for name, a in algos.items()}
+  times = harness.time_decodes(fns, batches, repeats=args.e2e_repeats,
+                               target=models.target if mesh is None else None)
   out = {}
-  for name in fns:
-    toks = real(last[name], "lengths")
-    med = _common.spread(seconds[name])
+  for name, t in times.items():
+    st = harness.decode_stats(t.outputs, n_rows)
+    med = timing.spread(t.seconds)
     # Loop iterations: a batch runs until its longest row is done.
-    per_batch = [int(np.asarray(r.stats.target_calls).max()) for r in last[name]]
+    per_batch = [int(np.asarray(r.stats.target_calls).max()) for r in t.outputs]
     steps = int(sum(per_batch))
-    out[name] = {"seconds": med, "tokens": toks, "iterations": steps,
+    out[name] = {"seconds": med, "tokens": st["tokens"], "iterations": steps,
                  "seconds_per_iteration": med["median"] / steps if steps else None,
-                 "tokens_per_second": toks / med["median"] if med["median"] > 0 else None,
-                 "call_seconds": per_call[name], "call_iterations": per_batch}
-  spec = last["speculative"]
-  decisions = real(spec, "decisions")
-  out["alpha"] = metrics.alpha_estimate(min_pq_sum=real(spec, "min_pq_sum"), decisions=decisions)
-  out["alpha_observed"] = real(spec, "accepted") / decisions if decisions else math.nan
-  calls = real(spec, "target_calls")
-  out["tokens_per_target_call"] = out["speculative"]["tokens"] / calls if calls else math.nan
+                 "tokens_per_second": st["tokens"] / med["median"] if med["median"] > 0 else None,
+                 "call_seconds": t.call_seconds, "call_iterations": per_batch}
+    if name == "speculative":
+      out.update(alpha=st["alpha"], alpha_observed=st["alpha_observed"],
+                 tokens_per_target_call=st["tokens_per_target_call"])
   ar, sp = out["autoregressive"]["tokens_per_second"], out["speculative"]["tokens_per_second"]
   out["speedup"] = sp / ar if ar and sp else None
   return out
@@ -170,17 +106,18 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
   different costs, and longer inputs have longer outputs, so a plain fit over iterations
   would charge the encoders to the loop). Each call's seconds minus its set-up (the
   target's; for the speculative call also the draft's) are then fitted as fixed +
-  per_iteration x iterations (`costs.fixed_and_per_iteration`).
+  per_iteration x iterations (`experiment.measure.fixed_and_per_iteration`).
   loop_work: per speculative iteration, beyond gamma T_q + T_verify(gamma + 1) (the
-    issue's goal: <= 25% of one verify call); ar_loop_work: per autoregressive step,
+    goal: <= 25% of one verify call); ar_loop_work: per autoregressive step,
     beyond T_p. fixed_excess: the speculative call's fixed cost beyond the autoregressive
     call's (both net of set-up: the goal is that speculation adds no fixed cost but the
     draft's set-up). loop_speedup: the two loops alone (per-iteration costs x iterations)
     and its ratio to the cost model; efficiency: the measured end-to-end speedup over the
-    cost model. model_work_speedup: `costs.model_work_speedup` on these calls, and
+    cost model. model_work_speedup: `experiment.measure.model_work_speedup` on these calls, and
     model_work_efficiency: the measured speedup over it (the engine's loss alone).
   """
   from spec_decode.decoding import runner
+  from spec_decode.experiment import batching, measure
   if verify is None or model_row is None or args.compact_batch:
     return None  # (a compacting loop's iterations cost less as its batch shrinks)
   B = args.batch_size
@@ -191,15 +128,15 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
   for shape, b in zip(shapes, batches):
     for role, m, p in (("target", target, tparams), ("draft", draft, dparams)):
       if shape not in setup[role]:
-        setup[role][shape] = costs.setup_seconds(
+        setup[role][shape] = measure.setup_seconds(
             m, p, b, cache_length=room, repeats=args.repeats,
             compiler_options=args.compiler_options)["median"]
   per_call = {r: np.array([setup[r][sh] for sh in shapes]) for r in setup}  # set-up by call
   net = lambda name, roles: np.asarray(e2e[name]["call_seconds"]) - sum(per_call[r]
                                                                         for r in roles)
-  ar_fit = costs.fixed_and_per_iteration(net("autoregressive", ("target",)),
+  ar_fit = measure.fixed_and_per_iteration(net("autoregressive", ("target",)),
                                          e2e["autoregressive"]["call_iterations"])
-  sp_fit = costs.fixed_and_per_iteration(net("speculative", ("target", "draft")),
+  sp_fit = measure.fixed_and_per_iteration(net("speculative", ("target", "draft")),
                                          e2e["speculative"]["call_iterations"])
   if ar_fit is None or sp_fit is None:
     return None
@@ -210,7 +147,7 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
   cost_model = model_row.get("cost_model")
   loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
   mean_setup = {r: float(np.mean(v)) for r, v in per_call.items()}
-  bound = costs.model_work_speedup(
+  bound = measure.model_work_speedup(
       target_setup=per_call["target"], draft_setup=per_call["draft"],
       target_step=res["target_step"]["median"],
       ar_iterations=e2e["autoregressive"]["call_iterations"], spec_iteration=model_calls,
@@ -232,8 +169,9 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
 
 
 def _roofline(args, target, step, t_p: float) -> dict[str, Any]:
-  nbytes = costs.decode_bytes(target, step)
-  bandwidth = costs.copy_bandwidth(mib=args.copy_mib)
+  from spec_decode.experiment import measure
+  nbytes = measure.decode_bytes(target, step)
+  bandwidth = measure.copy_bandwidth(mib=args.copy_mib)
   out = {"bytes_per_step": nbytes, "copy_bandwidth_bytes_per_s": bandwidth}
   if nbytes is not None:
     out["roofline_seconds"] = nbytes / bandwidth
@@ -241,42 +179,65 @@ def _roofline(args, target, step, t_p: float) -> dict[str, Any]:
   return out
 
 
-def run(args) -> dict[str, Any]:
-  from spec_decode import partitioning
-  from spec_decode.model_specs import LoadContext, load
+def measure_costs(args, models, mesh) -> dict[str, Any]:
+  """T_p, the draft's step (its proposal / gamma), c and T_verify(gamma + 1) / T_p for every
+  gamma of --gammas, in interleaved rounds (`experiment.measure.step_costs`)."""
+  from spec_decode import decoding, experiment, partitioning
+  from spec_decode.experiment import batching
+  inputs = _inputs(args, models.target.vocab_size)
+  enc = batching.pad_rows(inputs[:args.batch_size], args.batch_size)
+  rules = partitioning.standard_logical_axis_rules() if mesh is not None else None
+  draft, dparams = models.draft("draft")
+  workload = timing.Workload(
+      target=models.target, target_params=models.target_params, encoder_tokens=enc,
+      cache_length=args.decode_len + max(args.gammas) + 1, position=args.decode_len // 2,
+      draft=draft, draft_params=dparams, mesh=mesh, rules=rules,
+      compiler_options=None if mesh is not None else args.compiler_options)
+  decoders = {"speculative": decoding.Speculative(gamma=args.gamma)}
+  costs = experiment.step_costs(workload, decoders, verify_tokens=[g + 1 for g in args.gammas],
+                                repeats=args.repeats, inner=args.inner, steps=args.loop_steps)
+  per_token = {k: v / args.gamma if k != "n" else v
+               for k, v in costs["proposal"]["speculative"].items()}
+  return {"target_step": costs["target_step"], "draft_step": per_token,
+          "c": costs["c"]["speculative"], "c_rounds": costs["c_rounds"]["speculative"],
+          "verify": {g: costs["verify"][g + 1] for g in args.gammas},
+          "verify_ratio": {g: costs["verify_ratio"][g + 1] for g in args.gammas},
+          "verify_ratio_rounds": {g: costs["verify_ratio_rounds"][g + 1] for g in args.gammas},
+          "target_loop": costs["target_loop"]}
+
+
+def run_benchmark(args) -> dict[str, Any]:
+  from spec_decode import partitioning, theory
   mesh = partitioning.make_mesh(args.mesh) if args.mesh else None
-  tspec = model_spec(args.target, args.target_config, args.dtype, 0, args.vocab_size, "target")
-  dspec = model_spec(args.draft, args.draft_config, args.dtype, 1, args.vocab_size, "draft")
-  target, tparams = load(tspec, LoadContext("target", mesh=mesh))
-  draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size, mesh=mesh))
+  tspec = harness.model_spec(args.target, config=args.target_config, dtype=args.dtype, seed=0,
+                             vocab_size=args.vocab_size, role="target")
+  dspec = harness.model_spec(args.draft, config=args.draft_config, dtype=args.dtype, seed=1,
+                             vocab_size=args.vocab_size, role="draft")
+  models = harness.load_models(tspec, {"draft": dspec}, mesh=mesh)
+  target, tparams = models.target, models.target_params
+  draft, dparams = models.draft("draft")
   inputs = _inputs(args, target.vocab_size)
-  enc = jnp.asarray(batching.pad_rows(inputs[:args.batch_size], args.batch_size))
-  pc = costs.pair_costs(target, tparams, draft, dparams, enc, gammas=args.gammas,
-                        cache_length=args.decode_len + max(args.gammas) + 1,
-                        position=args.decode_len // 2, steps=args.loop_steps,
-                        repeats=args.repeats, inner=args.inner, mesh=mesh,
-                        marginal=args.marginal, compiler_options=args.compiler_options)
+  pc = measure_costs(args, models, mesh)
   c = pc["c"]
   result: dict[str, Any] = {
       "target": tspec.to_json(), "draft": dspec.to_json(),
       "target_params": int(sum(x.size for x in jax.tree.leaves(tparams))),
       "draft_params": int(sum(x.size for x in jax.tree.leaves(dparams))),
       "target_step": pc["target_step"], "draft_step": pc["draft_step"], "c": c,
-      "marginal_step_costs": pc["marginal"]}
-  e2e = _e2e(args, target, tparams, draft, dparams, inputs, mesh) if args.e2e else None
+      "c_rounds": pc["c_rounds"], "marginal_step_costs": True}
+  e2e = _e2e(args, models, inputs, mesh) if args.e2e else None
   result["e2e"] = e2e
   alpha = None if e2e is None or math.isnan(e2e["alpha"]) else e2e["alpha"]
-  from spec_decode import theory
   if alpha is not None:
     e2e["expected_tokens"] = float(theory.expected_tokens(alpha, args.gamma))
   rows = []
   for g in args.gammas:
     r = pc["verify_ratio"][g]
-    row = {"gamma": g, "verify_seconds": pc["verify"][g], "verify_ratio": r}
+    row = {"gamma": g, "verify_seconds": pc["verify"][g], "verify_ratio": r,
+           "verify_ratio_rounds": pc["verify_ratio_rounds"][g]}
     if alpha is not None:
-      row["thm38"] = float(theory.walltime_improvement(alpha, g, c["median"]))
-      row["cost_model"] = float(theory.expected_tokens(alpha, g)) / (g * c["median"]
-                                                                     + r["median"])
+      row["thm38"] = float(theory.walltime_improvement(alpha, g, c))
+      row["cost_model"] = float(theory.expected_tokens(alpha, g)) / (g * c + r)
     rows.append(row)
   result["gammas"] = rows
   if e2e is not None:
@@ -293,7 +254,7 @@ def run(args) -> dict[str, Any]:
                             dparams, inputs)
   roofline = args.roofline == "on" or (args.roofline == "auto" and
                                        jax.default_backend() in ("gpu", "tpu"))
-  result["roofline"] = _roofline(args, target, pc["target_fn"],
+  result["roofline"] = _roofline(args, target, pc["target_loop"],
                                  result["target_step"]["median"]) if roofline else None
   return result
 
@@ -317,7 +278,7 @@ def _summary_md(args, res: dict[str, Any]) -> str:
            f"{res['draft_params']:,} parameters",
            f"- T_p (target step): {ms(res['target_step'])} ms",
            f"- T_q (draft step): {ms(res['draft_step'])} ms",
-           f"- c = T_q / T_p: {fmt_spread(res['c'])}"]
+           f"- c = T_q / T_p: {fmt(res['c'])} (per round: {fmt_spread(res['c_rounds'])})"]
   e = res["e2e"]
   if e is not None:
     lines += [
@@ -436,16 +397,13 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=10, help="interleaved timing rounds")
   p.add_argument("--inner", type=int, default=3, help="calls per round (median)")
   p.add_argument("--loop_steps", type=int, default=8,
-                 help="decode steps per timed call, in one jitted loop (see costs.py)")
+                 help="k: step costs are marginal, from jitted loops of k and 2k calls "
+                 "(spec_decode.decoding.timing)")
   p.add_argument("--num_examples", type=int, default=None,
                  help="end-to-end inputs (default max(8, batch_size))")
   p.add_argument("--e2e_repeats", type=int, default=5,
                  help="timed passes over the end-to-end inputs (tokens/s: median pass; the "
                  "engine split: each call's fastest)")
-  p.add_argument("--marginal", default="on", choices=("on", "off"),
-                 help="step costs as the marginal cost of one more decode in a loop (loops of "
-                 "k and 2k steps; default), or off: a k-step call divided by k, which charges "
-                 "each step a share of the call's fixed cost")
   p.add_argument("--compiler_options", default=None,
                  help="JSON XLA options of every compiled loop, e.g. '{}' for XLA's defaults "
                  "(default: spec_decode.compile_options' defaults for the backend)")
@@ -456,13 +414,12 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--copy_mib", type=int, default=512)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default=None, help="output stem benchmark_<name> (default from models)")
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   fill_pair_defaults(p, args)
-  args.gammas = _common.parse_ints(args.gammas, "gammas")
+  args.gammas = harness.parse_ints(args.gammas, "gammas")
   args.gamma = args.gamma or min(4, max(args.gammas))
   args.num_examples = args.num_examples or max(8, args.batch_size)
-  args.marginal = args.marginal == "on"
   if args.compiler_options is not None:
     try:
       args.compiler_options = json.loads(args.compiler_options)
@@ -480,16 +437,11 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.benchmark", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
-  res = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  res = run_benchmark(args)
   cols = [Column("gamma", "gamma"),
           Column("verify_seconds", "T_verify(gamma+1) ms", lambda s: fmt_spread(s, scale=1e3)),
-          Column("verify_ratio", "T_verify(gamma+1) / T_p", fmt_spread),
+          Column("verify_ratio_rounds", "T_verify(gamma+1) / T_p", fmt_spread),
           Column("thm38", "Thm 3.8 speedup", lambda v: fmt(v, 2, "X")),
           Column("cost_model", "cost-model speedup", lambda v: fmt(v, 2, "X"))]
   notes = [f"batch {args.batch_size}" + (" (both end-to-end decoders shrink their batch as "
@@ -500,22 +452,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            + ("; unsharded runs encode them trimmed of all-padding columns to a power of "
               "two, decoding.runner.input_length" if not args.mesh else "") + "), cache of "
            f"{args.decode_len + max(args.gammas) + 1} slots filled to {args.decode_len // 2}; "
-           f"{args.repeats} interleaved rounds of {args.inner} calls of "
-           + (f"{args.loop_steps} and {2 * args.loop_steps} decode steps in one jitted loop; a "
-              "step's cost is the marginal cost of one more decode, (t(2k) - t(k)) / k, "
-              "without the call's fixed cost" if args.marginal else
-              f"{args.loop_steps} decode steps in one jitted loop, divided by "
-              f"{args.loop_steps} (includes a share of the call's fixed cost)")
-           + "; cells are median [25th, 75th percentile] over rounds. XLA options: "
+           f"{args.repeats} interleaved rounds of {args.inner} calls of {args.loop_steps} and "
+           f"{2 * args.loop_steps} decode steps in one jitted loop; a step's cost is the "
+           "marginal cost of one more decode, (t(2k) - t(k)) / k, without the call's fixed "
+           "cost (spec_decode.decoding.timing); cells are median [25th, 75th percentile] over "
+           "rounds. XLA options: "
            + ("the backend defaults (spec_decode.compile_options)"
               if args.compiler_options is None else json.dumps(args.compiler_options)) + ".",
-           "Speedup columns use the measured alpha of the end-to-end run and the median c."]
-  paths = _common.write_outputs(args.results_dir, f"benchmark_{args.name}",
-                                title=f"Benchmark: {args.target} / {args.draft}", columns=cols,
-                                rows=res["gammas"], meta=meta, notes=notes,
-                                extra_md=_summary_md(args, res), extra={"summary": res})
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+           "Speedup columns use the measured alpha of the end-to-end run and c = T_q / T_p, "
+           "the ratio of the medians."]
+  return harness.Output(f"benchmark_{args.name}", f"Benchmark: {args.target} / {args.draft}",
+                        cols, res["gammas"], notes, extra_md=_summary_md(args, res),
+                        extra={"summary": res})
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.benchmark", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any, Sequence
 
-from experiments import _common, setups
-from experiments._common import Column, fmt
+from experiments import harness, setups
+from experiments.harness import Column, fmt
 
 MODELS = ("target", "large", "base", "small", "small_distilled")
 TASK_MODELS = {"ende": ("target_big",) + MODELS}  # the big target exists for EnDe only
@@ -40,15 +39,13 @@ def _decode(path: str, enc, max_decode_len: int, batch_size: int) -> tuple[list[
   """Greedy outputs of the checkpoint at `path` on enc, and its parameter count."""
   import numpy as np
 
-  from spec_decode import batching, checkpoints, decoding
-  from spec_decode.models import t5
-  cfg, params = checkpoints.load(path, dtype="float32")
-  model = t5.T5(cfg)
-  rows = []
-  for chunk, n in batching.batches(enc, batch_size):  # one shape: one compile
-    out = decoding.autoregressive(model, params, chunk, max_decode_len=max_decode_len)
-    rows += np.asarray(out.tokens)[:n].tolist()
-  return rows, model.num_params()
+  from spec_decode import decoding
+  models = harness.load_models(harness.model_spec(path, dtype="float32"))
+  greedy = harness.decode_fn(decoding.Autoregressive(), models.target, models.target_params,
+                             max_decode_len=max_decode_len)
+  batches, n = harness.batches(enc, batch_size)  # one shape: one compile
+  rows = [row for b in batches for row in np.asarray(greedy(*b).tokens).tolist()][:n]
+  return rows, models.target.num_params()
 
 
 def _references(task_name: str, n: int) -> dict[str, list[str]]:
@@ -58,8 +55,8 @@ def _references(task_name: str, n: int) -> dict[str, list[str]]:
           "reference mode": splits.references(task_name, "test", size=n, mode="mode")}
 
 
-def run(args) -> list[dict[str, Any]]:
-  from spec_decode import train_data
+def score(args) -> list[dict[str, Any]]:
+  from spec_decode.data import tokenized
   from spec_decode.data import synthetic_tasks
   rows = []
   for task in args.tasks:
@@ -67,7 +64,7 @@ def run(args) -> list[dict[str, Any]]:
     source = synthetic_tasks.offline_source(name)
     examples = source.examples("test", args.num_examples)
     targets = [ex["targets"] for ex in examples]
-    enc = train_data._pad(source.tokenized("test", args.num_examples).inputs, input_length, 16)
+    enc = tokenized.pad_rows(source.tokenized("test", args.num_examples).inputs, input_length, 16)
     for label, preds in _references(name, len(examples)).items():
       rows.append({"task": setups.TASK_LABELS[task], "model": label, "params": None,
                    "examples": len(examples), **_score(task, targets, preds)})
@@ -86,25 +83,27 @@ def run(args) -> list[dict[str, Any]]:
   return rows
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: Sequence[str]):
   p = argparse.ArgumentParser(prog="python -m experiments.demo_quality", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", default="ende,cnndm")
   p.add_argument("--num_examples", type=int, default=200)
   p.add_argument("--batch_size", type=int, default=25)
   p.add_argument("--demo_models", default=setups.DEMO_DIR)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--stem", default="demo_quality")
-  args = p.parse_args(argv)
+  args = p.parse_args(list(argv))
   args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
   for t in args.tasks:
     if t not in setups.TASKS:
       p.error(f"unknown task {t!r}; known: {setups.TASKS}")
   if args.num_examples < 1 or args.batch_size < 1:
     p.error("--num_examples and --batch_size must be >= 1")
-  meta = _common.new_meta("experiments.demo_quality", argv, **vars(args))
-  rows = run(args)
+  return args
+
+
+def run(args, meta) -> harness.Output:
+  rows = score(args)
   columns = [Column("task", "task"), Column("model", "model"),
              Column("params", "params", lambda x: "" if x is None else f"{x / 1e6:.2f}M"),
              Column("examples", "examples")]
@@ -118,9 +117,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "the same inputs (the score of sampling the true distribution); 'reference mode' = "
            "the generator's most likely choices (about the best a greedy decoder can score "
            "against sampled references)."]
-  return _common.write_outputs(args.results_dir, args.stem, title="Demo model quality",
-                               columns=columns, rows=rows, meta=_common.finish_meta(meta),
-                               notes=notes)
+  return harness.Output(args.stem, "Demo model quality", columns, rows, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.demo_quality", argv, parse_args, run, private=())
 
 
 if __name__ == "__main__":

@@ -24,117 +24,66 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
-import time
 from typing import Any, Sequence
 
-import numpy as np
-
-from experiments import _common, setups
-from experiments._common import Column, fmt
-
-
-def _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
-           mtp_modules, mtp_params, mtp_gamma, enc, decode_len: int,
-           repeats: int) -> dict[str, float]:
-  """T_p, the draft model's step, the EAGLE head's drafting step, and the Medusa heads'
-  and the MTP modules' cost per proposed token (`token_seconds`), marginal seconds."""
-  from spec_decode import timing
-  from spec_decode.heads import eagle
-  kw = dict(cache_length=decode_len + 8, position=decode_len // 2, repeats=repeats)
-  t_p = timing.step_time(target, tparams, enc, **kw)
-  t_q = timing.step_time(draft, dparams, enc, **kw)
-  t_eagle = timing.step_time(eagle.DraftingDecoder(eagle_head, target),
-                             {"head": eagle_params, "target": tparams}, enc, **kw)
-  return {"target_step": t_p, "draft_step": t_q, "eagle_step": t_eagle,
-          "medusa_token": heads.token_seconds(target, tparams, hparams, enc,
-                                              gamma=heads.num_heads, **kw),
-          "mtp_token": mtp_modules.token_seconds(target, tparams, mtp_params, enc,
-                                                 gamma=mtp_gamma, **kw)}
+from experiments import harness, setups
+from experiments.harness import Column, fmt
 
 
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
-  from spec_decode import data, decoding, metrics, theory
-  from spec_decode.heads import eagle, medusa, mtp
-  from spec_decode.model_specs import LoadContext, ModelSpec, load
+  from spec_decode import decoding, experiment, theory
+  from spec_decode.decoding import timing
   task_name, input_length, decode_len = setups.DEMO_TASKS[task]
-  demo = lambda name: ModelSpec(checkpoint=os.path.join(setups.DEMO_DIR, name), dtype="float32")
-  target, tparams = load(demo(f"{task}_target"), LoadContext("target"))
-  draft, dparams = load(demo(f"{task}_small"), LoadContext("draft"))
-  heads, hparams = medusa.load(os.path.join(setups.DEMO_DIR, f"{task}_medusa"))
-  eagle_head, eagle_params = eagle.load(os.path.join(setups.DEMO_DIR, f"{task}_eagle"))
-  modules, mparams = mtp.load(os.path.join(setups.DEMO_DIR, f"{task}_mtp"))
-  gamma = min(args.gamma, heads.num_heads)
-  mtp_gamma = min(args.gamma, modules.num_modules)
-  examples = data.load_examples(data.get_task(task_name), split=args.split,
-                                num_examples=args.num_examples,
-                                feature_lengths={"inputs": input_length, "targets": decode_len})
-  encs = [data.encoder_batch([ex], batch_size=1, input_length=input_length) for ex in examples]
+  demo = lambda name: harness.model_spec(f"demo:{name}", dtype="float32")
+  models = harness.load_models(demo(f"{task}_target"), {
+      kind: demo(f"{task}_{kind}") for kind in ("small", "eagle", "medusa", "mtp")})
+  gamma = min(args.gamma, models.draft("medusa")[0].num_heads)
+  mtp_gamma = min(args.gamma, models.draft("mtp")[0].num_modules)
+  inputs = harness.task_inputs(task_name, split=args.split, num_examples=args.num_examples,
+                               input_length=input_length, decode_len=decode_len)
+  batches, n = harness.batches(inputs, 1)
   sampling = decoding.Sampling(temperature=temperature)
-  decoders = {
-      "autoregressive": (decoding.Autoregressive(), None, None),
-      f"small draft (gamma {args.gamma})": (decoding.Speculative(gamma=args.gamma), draft,
-                                            dparams),
+  decoders = {  # name: (algorithm, the draft it reads)
+      "autoregressive": (decoding.Autoregressive(), None),
+      f"small draft (gamma {args.gamma})": (decoding.Speculative(gamma=args.gamma), "small"),
       f"EAGLE head (gamma {args.gamma})": (
-          decoding.Speculative(gamma=args.gamma, drafter=decoding.EagleDrafter()), eagle_head,
-          eagle_params),
+          decoding.Speculative(gamma=args.gamma, drafter=decoding.EagleDrafter()), "eagle"),
       f"Medusa heads (gamma {gamma})": (
-          decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), heads, hparams),
+          decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), "medusa"),
       f"MTP modules (gamma {mtp_gamma})": (
-          decoding.Speculative(gamma=mtp_gamma, drafter=decoding.MtpDrafter()), modules,
-          mparams)}
-
-  def decode(algo, d, dp, enc, row):
-    kw = dict(draft=d, draft_params=dp) if algo.needs_draft else {}
-    r = decoding.run(algo, target, tparams, enc, max_decode_len=decode_len, sampling=sampling,
-                     rng=jax.random.PRNGKey(args.seed), row_ids=np.array([row], np.int32), **kw)
-    jax.block_until_ready(r.tokens)
-    return r
-
-  for algo, d, dp in decoders.values():  # compile
-    decode(algo, d, dp, encs[0], 0)
-  seconds = {n: [] for n in decoders}
-  last: dict[str, list] = {}
-  for _ in range(args.repeats):
-    for n, (algo, d, dp) in decoders.items():
-      t0 = time.perf_counter()
-      last[n] = [decode(algo, d, dp, enc, i) for i, enc in enumerate(encs)]
-      seconds[n].append(time.perf_counter() - t0)
-  costs = _costs(target, tparams, draft, dparams, heads, hparams, eagle_head, eagle_params,
-                 modules, mparams, mtp_gamma, encs[0], decode_len, args.timing_repeats)
-  base_tokens = [tuple(np.asarray(r.tokens)[0, :int(r.lengths[0])]) for r in
-                 last["autoregressive"]]
-  base_s = statistics.median(seconds["autoregressive"])
+          decoding.Speculative(gamma=mtp_gamma, drafter=decoding.MtpDrafter()), "mtp")}
+  common = dict(max_decode_len=decode_len, sampling=sampling, rng=jax.random.PRNGKey(args.seed))
+  fns = {name: harness.decode_fn(algo, models.target, models.target_params,
+                                 *(models.draft(d) if d else ()), **common)
+         for name, (algo, d) in decoders.items()}
+  times = harness.time_decodes(fns, batches, repeats=args.repeats, target=models.target)
+  workload = timing.Workload(target=models.target, target_params=models.target_params,
+                             encoder_tokens=batches[0][0], cache_length=decode_len + 8,
+                             position=decode_len // 2, sampling=sampling)
+  costs = experiment.step_costs(
+      workload, {name: algo for name, (algo, _) in decoders.items()},
+      drafts={name: models.draft(d) for name, (_, d) in decoders.items() if d},
+      repeats=args.timing_repeats)
+  base = times["autoregressive"]
+  base_s = statistics.median(base.seconds)
   rows = []
-  for n, (algo, _, _) in decoders.items():
-    res = last[n]
-    total = lambda key: float(sum(np.asarray(getattr(r.stats, key)).sum() for r in res))
-    tokens = float(sum(int(r.lengths[0]) for r in res))
-    med = statistics.median(seconds[n])
-    row = {"task": setups.TASK_LABELS[task], "temperature": temperature, "decoder": n,
-           "tokens_per_second": tokens / med, "speedup": base_s / med,
-           "tokens_per_target_call": tokens / total("target_calls"),
-           "identical": float(np.mean([tuple(np.asarray(r.tokens)[0, :int(r.lengths[0])]) == b
-                                       for r, b in zip(res, base_tokens)]))}
-    if algo.needs_draft:
-      alpha = metrics.alpha_estimate(min_pq_sum=total("min_pq_sum"),
-                                     decisions=total("decisions"))
-      if "Medusa" in n:  # one proposal of all heads per target call, spread over gamma tokens
-        c = costs["medusa_token"] * heads.num_heads / algo.gamma / costs["target_step"]
-      elif "EAGLE" in n:
-        c = costs["eagle_step"] / costs["target_step"]
-      elif "MTP" in n:  # gamma module calls per proposal, spread over gamma tokens
-        c = costs["mtp_token"] / costs["target_step"]
-      else:
-        c = costs["draft_step"] / costs["target_step"]
+  for name, (algo, _) in decoders.items():
+    t = times[name]
+    st = harness.decode_stats(t.outputs, n, baseline=base.outputs)
+    med = statistics.median(t.seconds)
+    row = {"task": setups.TASK_LABELS[task], "temperature": temperature, "decoder": name,
+           "tokens_per_second": st["tokens"] / med, "speedup": base_s / med,
+           "tokens_per_target_call": st["tokens_per_target_call"],
+           "identical": st["identical"]}
+    if algo.drafter is not None:
+      alpha, c = st["alpha"], costs["c"][name]
       row.update(alpha=alpha, c=c, gamma=algo.gamma,
                  thm38=(float(theory.walltime_improvement(alpha, algo.gamma, c))
                         if not math.isnan(alpha) else None))
     rows.append(row)
-  print(_common.markdown_table(_columns(), rows), flush=True)
+  print(harness.markdown_table(_columns(), rows), flush=True)
   return rows
 
 
@@ -159,41 +108,38 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
   p.add_argument("--timing_repeats", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   args.tasks = [t for t in args.tasks.split(",") if t]
   unknown = set(args.tasks) - set(setups.DEMO_TASKS)
   if unknown or not args.tasks:
     p.error(f"--tasks must name demo tasks among {sorted(setups.DEMO_TASKS)}, got {args.tasks}")
-  args.temperatures = _common.parse_floats(args.temperatures, "temperatures")
+  args.temperatures = harness.parse_floats(args.temperatures, "temperatures")
   for name in ("gamma", "num_examples", "repeats", "timing_repeats"):
     if getattr(args, name) < 1:
       p.error(f"--{name} must be >= 1")
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.heads", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
+def run(args, meta) -> harness.Output:
   rows = [r for task in args.tasks for t in args.temperatures for r in run_task(task, t, args)]
-  _common.finish_meta(meta)
   notes = [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
            "interleaved rounds (median); speedup = baseline seconds / decoder seconds.",
-           "c: the small draft's step, the EAGLE head's drafting step, or the Medusa proposal "
-           "(all heads, one call) or the MTP proposal (gamma modules, each on a 2 gamma "
-           "window) divided by gamma, over one target step; marginal costs in jitted loops. "
-           "EAGLE's and MTP's first call of each example proposes nothing (no target feature "
-           "yet); EAGLE's commit feeds the verified positions through the head, which c does "
-           "not count (MTP's commit runs no module).",
+           "c: each decoder's proposal (its drafter's own propose in a jitted loop: the small "
+           "draft's gamma steps, the EAGLE head's chain, the Medusa heads' one call, the MTP "
+           "modules' gamma windows) divided by gamma, over one target step; marginal costs "
+           "in interleaved rounds (`experiment.measure.step_costs`). EAGLE's and MTP's first "
+           "call of each example proposes nothing (no target feature yet); EAGLE's commit "
+           "feeds the verified positions through the head, which c does not count (MTP's "
+           "commit runs no module).",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "
            "and c (it assumes a verify call costs one target step)."]
-  paths = _common.write_outputs(args.results_dir, "heads",
-                                title="Draft heads (EAGLE, Medusa, MTP) against the small draft model",
-                                columns=_columns(), rows=rows, meta=meta, notes=notes)
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+  return harness.Output("heads", "Draft heads (EAGLE, Medusa, MTP) against the small draft model",
+                        _columns(), rows, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.heads", argv, parse_args, run)
 
 
 if __name__ == "__main__":

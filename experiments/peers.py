@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
-import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from experiments import _common, benchmark
-from experiments._common import Column, fmt
+from experiments import benchmark, harness
+from experiments.harness import Column, fmt
 from spec_decode.models.base import EOS_ID
 
 
@@ -59,7 +57,7 @@ def _ours(target, tparams, draft, dparams, gamma: int, decode_len: int):
   def make(algo):
     kw = dict(draft=draft, draft_params=dparams) if algo.needs_draft else {}
 
-    def run(enc: np.ndarray):
+    def run(enc: np.ndarray, ids=None):
       r = decoding.run(algo, target, tparams, enc, max_decode_len=decode_len, **kw)
       jax.block_until_ready(r.tokens)
       calls = int(np.asarray(r.stats.target_calls)[0])
@@ -84,8 +82,8 @@ def _hf(target_dir: str, draft_dir: str, gamma: int, decode_len: int):
       f"HF: prompt lookup ({gamma} tokens)": dict(prompt_lookup_num_tokens=gamma)}
 
   def make(extra):
-    def run(enc: np.ndarray):
-      ids = torch.from_numpy(enc.astype(np.int64))
+    def run(enc: np.ndarray, row_ids=None):
+      ids = torch.from_numpy(np.asarray(enc).astype(np.int64))
       with torch.inference_mode():
         out = tgt.generate(input_ids=ids, attention_mask=(ids > 0).long(), **common, **extra)
       return _cut(out[0, 1:].tolist()), None  # drop the decoder start token
@@ -93,17 +91,17 @@ def _hf(target_dir: str, draft_dir: str, gamma: int, decode_len: int):
   return {name: make(extra) for name, extra in variants.items()}
 
 
-def run(args) -> dict[str, Any]:
+def compare(args) -> dict[str, Any]:
   import jax
   import torch
   from spec_decode import checkpoints
-  from spec_decode.model_specs import LoadContext, load
-  tspec = benchmark.model_spec(args.target, args.target_config, "float32", 0, args.vocab_size,
-                               "target")
-  dspec = benchmark.model_spec(args.draft, args.draft_config, "float32", 1, args.vocab_size,
-                               "draft")
-  target, tparams = load(tspec, LoadContext("target"))
-  draft, dparams = load(dspec, LoadContext("draft", vocab_size=target.vocab_size))
+  tspec = harness.model_spec(args.target, config=args.target_config, dtype="float32", seed=0,
+                             vocab_size=args.vocab_size, role="target")
+  dspec = harness.model_spec(args.draft, config=args.draft_config, dtype="float32", seed=1,
+                             vocab_size=args.vocab_size, role="draft")
+  models = harness.load_models(tspec, {"draft": dspec})
+  target, tparams = models.target, models.target_params
+  draft, dparams = models.draft("draft")
   inputs = benchmark._inputs(args, target.vocab_size)
   torch.set_num_threads(args.torch_threads)
   with tempfile.TemporaryDirectory() as tmp:
@@ -112,33 +110,19 @@ def run(args) -> dict[str, Any]:
     checkpoints.save(ddir, draft.config, jax.device_get(dparams), format="hf")
     fns = dict(_ours(target, tparams, draft, dparams, args.gamma, args.decode_len))
     fns.update(_hf(tdir, ddir, args.gamma, args.decode_len))
-  encs = [inputs[i:i + 1] for i in range(len(inputs))]
-  for f in fns.values():  # compile / warm up
-    f(encs[0])
-  seconds = {name: [] for name in fns}
-  outputs: dict[str, list] = {}
-  calls: dict[str, list] = {}
-  for _ in range(args.repeats):
-    for name, f in fns.items():
-      total, outs, cs = 0.0, [], []
-      for enc in encs:
-        start = time.perf_counter()
-        toks, c = f(enc)
-        total += time.perf_counter() - start
-        outs.append(toks)
-        cs.append(c)
-      seconds[name].append(total)
-      outputs[name], calls[name] = outs, cs
+  batches = [(inputs[i:i + 1], None) for i in range(len(inputs))]
+  times = harness.time_decodes(fns, batches, repeats=args.repeats)
   names = list(fns)
+  outputs = {n: [toks for toks, _ in times[n].outputs] for n in names}
+  calls = {n: [c for _, c in times[n].outputs] for n in names}
   ref = outputs[names[0]]  # our autoregressive decoding
   own_base = {n: names[0] if n.startswith("ours") else "HF: greedy generate" for n in names}
   rows = []
   for n in names:
     toks = sum(len(o) for o in outputs[n])
-    med = statistics.median(seconds[n])
-    tps = toks / med
-    rows.append({"decoder": n, "tokens": toks, "seconds": _common.spread(seconds[n]),
-                 "tokens_per_second": tps,
+    med = statistics.median(times[n].seconds)
+    rows.append({"decoder": n, "tokens": toks, "seconds": harness.spread(times[n].seconds),
+                 "tokens_per_second": toks / med,
                  "identical": float(np.mean([a == b for a, b in zip(outputs[n], ref)])),
                  "tokens_per_target_call": (toks / sum(calls[n]) if None not in calls[n]
                                             else None)})
@@ -152,7 +136,7 @@ def run(args) -> dict[str, Any]:
              "ours_speedup": rows[1]["speedup_over_own_baseline"],
              "hf_assisted_speedup": by_name[names[3]]["speedup_over_own_baseline"],
              "torch_threads": args.torch_threads, "torch_version": torch.__version__,
-             "num_examples": len(encs),
+             "num_examples": len(batches),
              "target": tspec.to_json(), "draft": dspec.to_json()}
   return {"rows": rows, "summary": summary}
 
@@ -171,7 +155,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--torch_threads", type=int, default=os.cpu_count() or 1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default=None, help="output stem peers_<name>")
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   benchmark.fill_pair_defaults(p, args)
   for name in ("gamma", "num_examples", "repeats", "torch_threads", "input_length",
@@ -182,13 +166,8 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.peers", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
-  res = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  res = compare(args)
   s = res["summary"]
   cols = [Column("decoder", "decoder", str),
           Column("tokens_per_second", "tokens/s", lambda v: fmt(v, 1)),
@@ -207,12 +186,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
               f"tokens/s: {fmt(s['ours_speculative_over_hf_assisted'], 2, 'X')}\n"
               f"- speedup over own baseline: ours {fmt(s['ours_speedup'], 2, 'X')}, HF assisted "
               f"{fmt(s['hf_assisted_speedup'], 2, 'X')}\n")
-  paths = _common.write_outputs(args.results_dir, f"peers_{args.name}",
-                                title=f"Peers on the same weights: {args.target} / {args.draft}",
-                                columns=cols, rows=res["rows"], meta=meta, notes=notes,
-                                extra_md=extra_md, extra={"summary": s})
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+  return harness.Output(f"peers_{args.name}",
+                        f"Peers on the same weights: {args.target} / {args.draft}", cols,
+                        res["rows"], notes, extra_md=extra_md, extra={"summary": s})
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.peers", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 import traceback
 from typing import Any, Sequence
 
 import numpy as np
 
-from experiments import _common, paper_tables, setups
-from experiments._common import Column, fmt
+from experiments import harness, paper_tables, setups
+from experiments.harness import Column, fmt
 
 TABLES = (1, 2, 3, 4, 5)
 DEFAULT_RUNS_DIR = "/tmp/spec_decode_reproduce"
@@ -101,7 +100,7 @@ def plan(table: int, args) -> list[Row]:
                    paper_alpha=alpha, paper_speed=speed, paper_c=c, paper_predicted=pred)
       rows.append(Row(f"{task}_{draft}_t{t}", cells, {"run": _job(args, task, draft, t, g)}))
   elif table == 3:
-    # Each task's distilled small draft (issue: DistillSpec-style) follows its paper rows.
+    # Each task's distilled small draft (DistillSpec-style) follows its paper rows.
     table3 = []
     for row in paper_tables.TABLE3:
       table3.append(row)
@@ -180,13 +179,8 @@ def _note(row: Row, results: dict) -> str:
   return "; ".join(dict.fromkeys(notes)) if notes else ""
 
 
-def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
-           ) -> tuple[list[Column], list[dict], list]:
-  """Columns, row dicts and notes of `table` from the rows' job results.
-
-  loop: {job key: `costs.pair_costs` result} replacing the runs' own c and
-  verify ratio in Table 4 (see `loop_costs`).
-  """
+def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], list[dict], list]:
+  """Columns, row dicts and notes of `table` from the rows' job results."""
   from spec_decode import theory
   out, notes = [], []
   get = lambda row, cell, key: _measured(results.get(row.jobs[cell].key), key) \
@@ -234,9 +228,6 @@ def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
       alpha, c, r = (get(row, "run", k) for k in ("alpha", "timing.c", "timing.verify_ratio"))
       run_costs = dict(c_run=c, verify_ratio_run=r,
                        predicted_run=get(row, "run", "speedup_predicted"))
-      lc = (loop or {}).get(row.jobs["run"].key)
-      if lc is not None:  # the in-loop, interleaved measurement (see `loop_costs`)
-        c, r = lc["c"]["median"], lc["verify_ratio"][g]["median"]
       predicted = cost = None
       if None not in (alpha, c, r) and not np.isnan(alpha):
         predicted = float(theory.walltime_improvement(alpha, g, c))
@@ -256,16 +247,11 @@ def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
              "batch as configured, both timed after compilation in one process."]
     if table == 4:
       notes.append(
-          "c (ours) and T_verify/T_p (ours): " + (
-              "medians of per-round ratios over interleaved rounds of single-token (and "
-              "gamma+1-token) decode steps of the run's target and draft on its first batch, "
-              "timed several steps per jitted loop (experiments/costs.py `pair_costs`, as "
-              "benchmark.py); the run's own values (`timing.step_time`: medians over repeated "
-              "calls of the same in-loop decode, not interleaved, so a drift of the machine's "
-              "load between the target's and the draft's timing moves them) are in the JSON "
-              "as c_run / verify_ratio_run / predicted_run." if loop else
-              "from the run itself (`timing.step_time`, several decode steps per jitted loop).")
-          + " predicted = Thm 3.8 at the measured alpha and c; cost model = E[tokens](alpha, "
+          "c (ours) and T_verify/T_p (ours): the run's own, measured as every driver measures "
+          "them (`experiment.measure.step_costs`: the marginal cost of one more single-token "
+          "or (gamma+1)-token call in a jitted loop, target and draft timed in the same "
+          "interleaved rounds, c the ratio of the medians) on its first batch."
+          " predicted = Thm 3.8 at the measured alpha and c; cost model = E[tokens](alpha, "
           "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
           "of the target's (gamma+1)-token verify call instead of one step.")
     if table == 2:
@@ -301,41 +287,6 @@ def render(table: int, rows: list[Row], results: dict, loop: dict | None = None
   return cols, out, notes
 
 
-def loop_costs(rows: list[Row], results: dict, args) -> dict[str, dict]:
-  """In-loop, interleaved step costs of each (target, draft) pair of Table 4's finished runs.
-
-  One `costs.pair_costs` per pair, on the pair's first run's first batch and
-  settings, covering every gamma its rows use; keyed by job key.
-  """
-  import jax.numpy as jnp
-
-  from experiments import costs
-  from spec_decode import data
-  pairs: dict[str, list[Row]] = {}
-  for row in rows:
-    entry = results.get(row.jobs["run"].key)
-    if entry is not None and "summary" in entry:
-      exp = entry["summary"]["experiment"]
-      pairs.setdefault(json.dumps([exp["target"], exp["draft"]], sort_keys=True), []).append(row)
-  out = {}
-  for pair_rows in pairs.values():
-    st = setups.load(pair_rows[0].jobs["run"].setup)
-    cfg = st.config
-    gammas = sorted({r.cells["gamma"] for r in pair_rows})
-    enc = jnp.asarray(data.encoder_batch(list(st.examples[:cfg.batch_size]),
-                                         batch_size=cfg.batch_size,
-                                         input_length=cfg.feature_lengths["inputs"]))
-    print(f"step costs of {cfg.target.label} / {cfg.draft.label}", flush=True)
-    pc = costs.pair_costs(st.target, st.target_params, st.draft, st.draft_params, enc,
-                          gammas=gammas, cache_length=cfg.decode_len + max(gammas) + 1,
-                          position=cfg.decode_len // 2, steps=args.loop_steps,
-                          repeats=args.repeats, inner=3, mesh=st.mesh)
-    pc.pop("target_fn")
-    for r in pair_rows:
-      out[r.jobs["run"].key] = pc
-  return out
-
-
 def _runs_md(rows: list[Row], results: dict) -> str:
   lines, seen = ["## Runs", ""], set()
   for row in rows:
@@ -368,18 +319,12 @@ def parse_args(argv: Sequence[str]):
                  "'data=1,model=8'\"")
   p.add_argument("--demo_models", default=None, help=f"demo model dir (default {setups.DEMO_DIR})")
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--progress", action="store_true", help="progress bars per run")
-  p.add_argument("--no_loop_costs", dest="loop_costs", action="store_false",
-                 help="Table 4: keep the runs' own c instead of measuring it in a loop")
-  p.add_argument("--repeats", type=int, default=10,
-                 help="Table 4 step costs: interleaved timing rounds")
-  p.add_argument("--loop_steps", type=int, default=8,
-                 help="Table 4 step costs: decode steps per timed jitted loop")
   p.add_argument("--fail_fast", action="store_true", help="raise on the first failing run")
   args = p.parse_args(list(argv))
   text = args.table.strip().lower()
-  args.tables = TABLES if text == "all" else _common.parse_ints(text, "table")
+  args.tables = TABLES if text == "all" else harness.parse_ints(text, "table")
   if any(t not in TABLES for t in args.tables):
     p.error(f"--table must be among {TABLES} (or 'all'), got {args.table!r}")
   args.row_filter = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
@@ -398,12 +343,7 @@ class _Args:
   gin_bindings: tuple[str, ...]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
-  """Runs the requested tables; returns {table: {'md', 'csv', 'json': path}}."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.reproduce", argv, scale=args.scale,
-                          num_examples=args.num_examples)
+def run(args, meta) -> list[harness.Output]:
   pargs = _Args(args.scale, args.demo_models, args.checkpoints, args.num_examples,
                 args.step_timing_repeats, args.timing_repeats, tuple(args.gin_bindings))
   plans = {t: plan(t, pargs) for t in args.tables}
@@ -413,17 +353,20 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
   jobs = {job.key: job for rows in plans.values() for row in rows for job in row.jobs.values()
           if args.row_filter is None or row.id in args.row_filter}
   results = run_jobs(jobs, args)
-  loop = loop_costs(plans[4], results, args) if 4 in plans and args.loop_costs else None
-  _common.finish_meta(meta)
-  paths = {}
+  outs = []
   for t, rows in plans.items():
-    cols, out, notes = render(t, rows, results, loop)
+    cols, out, notes = render(t, rows, results)
     notes = [f"Scale: {args.scale} ({_SCALE_NOTES[args.scale]})."] + notes
-    paths[t] = _common.write_outputs(
-        args.results_dir, f"table_{t}", title=f"Table {t}: paper vs this reproduction",
-        columns=cols, rows=out, meta=meta, notes=notes, extra_md=_runs_md(rows, results))
-    print(f"table {t} -> {paths[t]['md']}")
-  return paths
+    outs.append(harness.Output(f"table_{t}", f"Table {t}: paper vs this reproduction", cols,
+                               out, notes, extra_md=_runs_md(rows, results)))
+  return outs
+
+
+def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
+  """Runs the requested tables; returns {table: {'md', 'csv', 'json': path}}."""
+  written = harness.main("experiments.reproduce", argv, parse_args, run,
+                         private=("results_dir", "runs_dir", "row_filter", "tables"))
+  return {int(stem[len("table_"):]): paths for stem, paths in written.items()}
 
 
 _SCALE_NOTES = {

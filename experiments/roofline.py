@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 from typing import Any, Sequence
 
-from experiments import _common
-from experiments._common import Column, fmt
+from experiments import harness
+from experiments.harness import Column, Output, fmt
 
 DEFAULT_TOKENS = "1,2,3,4,5,6,8,12,16"
 
@@ -66,18 +65,15 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   import jax.numpy as jnp
   import numpy as np
 
-  from experiments import benchmark
-  from spec_decode import timing
+  from spec_decode.decoding import timing
   from spec_decode.kernels import cpu_matmul
-  from spec_decode.model_specs import LoadContext, load
 
   info = cpu_matmul.describe()
   if info["kernel"] != "on":
     raise SystemExit(f"the CPU kernel is {info['kernel']}: nothing to measure against the roofline")
-  target, tparams = load(benchmark.model_spec(args.target, None, None, 0, None, "target"),
-                         LoadContext("target"))
-  draft, dparams = load(benchmark.model_spec(args.draft, None, None, 1, None, "draft"),
-                        LoadContext("draft"))
+  models = harness.load_models(args.target, {"draft": args.draft})
+  target, tparams = models.target, models.target_params
+  draft, dparams = models.draft("draft")
   peaks = {w: cpu_matmul.fma_peak(w) for w in cpu_matmul.widths()}
   print(f"CPU {info['model']} ({', '.join(info['features'])}); multiply-add peak "
         + ", ".join(f"{w}-wide {g:.0f} GFLOP/s" for w, g in peaks.items()), flush=True)
@@ -157,10 +153,10 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--position", type=int, default=24, help="cache entries already filled")
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--name", default="", help="suffix of the result files")
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
-  args.tokens = tuple(sorted({1} | set(_common.parse_ints(args.tokens, "tokens"))))
-  args.batch_sizes = _common.parse_ints(args.batch_sizes, "batch_sizes")
+  args.tokens = tuple(sorted({1} | set(harness.parse_ints(args.tokens, "tokens"))))
+  args.batch_sizes = harness.parse_ints(args.batch_sizes, "batch_sizes")
   args.kernel_weights = [w for w in args.kernel_weights.split(",") if w]
   from spec_decode.kernels import cpu_matmul
   bad = [w for w in args.kernel_weights if w not in cpu_matmul.WEIGHTS]
@@ -171,14 +167,9 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.roofline", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
+def run(args, meta: dict) -> Output:
   machine, rows = measure(args)
   meta["roofline"] = machine
-  _common.finish_meta(meta)
   cols = [Column("weights", "kernel weights"), Column("decoder_mib", "decoder MiB",
                                                         lambda v: f"{v:.1f}"),
           Column("batch", "batch"), Column("n", "N"), Column("variant", "variant"),
@@ -206,11 +197,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "variant: the kernel variant (vector width, p = software prefetch) chosen for most "
            "weight shapes at that row count."]
   stem = f"roofline_{cpu_family(info['model'])}" + (f"_{args.name}" if args.name else "")
-  paths = _common.write_outputs(args.results_dir, stem,
-                                title=f"Decode step against the roofline ({info['model']})",
-                                columns=cols, rows=rows, meta=meta, notes=notes)
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+  return Output(stem, f"Decode step against the roofline ({info['model']})", cols, rows,
+                notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.roofline", argv, parse_args, run)
 
 
 if __name__ == "__main__":

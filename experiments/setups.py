@@ -1,16 +1,16 @@
 """The gin configuration of one experiment at each scale: tiny, demo or paper.
 
 An experiment is (task, draft) plus row settings (gamma, temperature, ...).
-`experiment_setup` turns it into gin files and bindings for
-`spec_decode.main`, so every row of every table is a run of the one
-experiment runner (`spec_decode.experiment.run_experiment`), reproducible
-with the command `Setup.command` prints:
+`experiment_setup` turns it into gin files and bindings of the experiment command
+(`python -m spec_decode.main`), so every row of every table is a run of the one
+experiment runner (`spec_decode.experiment.run_experiment`, through the gin layer:
+`run`), reproducible with the command `Setup.command` prints:
 
   tiny   random T5 models on the offline 'toy_reverse' task (both 'ende' and
          'cnndm' map to it): seconds per run, for CI and smoke tests; the
          numbers mean nothing.
   demo   the trained demo models (demo_models/, see configs/demo/) on the
-         synthetic_ende / synthetic_cnndm tasks; CPU-sized.
+         synthetic_ende / synthetic_cnndm tasks (configs/demo/<task>_run.gin); CPU-sized.
   paper  configs/paper/<task>_<draft>_t<T>.gin: T5.1.1 checkpoints on WMT EnDe
          and CNN/DM; the checkpoints come from `checkpoints`, keyed
          '<task>_target' and '<task>_<draft>' (e.g. ende_target, ende_small).
@@ -25,7 +25,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from experiments._common import REPO_ROOT, quote
+from experiments.harness import DEMO_DIR, REPO_ROOT, quote
 
 SCALES = ("tiny", "demo", "paper")
 TASKS = ("ende", "cnndm")
@@ -33,7 +33,6 @@ NGRAM_DRAFTS = ("unigram", "bigram")
 T5_DRAFTS = ("small", "base", "large", "small_distilled")
 DRAFTS = NGRAM_DRAFTS + T5_DRAFTS
 TASK_LABELS = {"ende": "EnDe", "cnndm": "CNNDM"}
-DEMO_DIR = os.environ.get("SPEC_DECODE_DEMO_MODELS", os.path.join(REPO_ROOT, "demo_models"))
 
 # Demo task lengths (as configs/demo/common.gin: ENDE_* and CNNDM_* macros).
 DEMO_TASKS = {"ende": ("synthetic_ende", 32, 48), "cnndm": ("synthetic_cnndm", 320, 48)}
@@ -119,7 +118,7 @@ def _tiny(draft: str, fit_examples: int) -> Setup:
 
 
 def _demo(task: str, draft: str, demo_dir: str, fit_examples: int, target_name: str) -> Setup:
-  files = [f"configs/demo/{task}_experiment.gin"]
+  files = [f"configs/demo/{task}_run.gin"]
   target = os.path.join(demo_dir, target_name)
   bindings = [f"target/ModelSpec.checkpoint = {_q(target)}"]
   if target_name != f"{task}_target":
@@ -162,20 +161,29 @@ def _paper(task: str, draft: str, t: int, checkpoints: dict[str, str],
   return Setup((f"configs/paper/{task}_{draft}_t{t}.gin",), tuple(bindings), tuple(missing))
 
 
-def row_bindings(*, gamma: int | None = None, temperature: float | None = None,
-                 lenience: float | None = None, run_baseline: bool | None = None,
-                 num_examples: int | None = None, batch_size: int | None = None,
-                 step_timing_repeats: int | None = None, timing_repeats: int | None = None,
-                 mesh: str | None = None) -> tuple[str, ...]:
-  """gin bindings of a row's settings (None = keep the config's value)."""
+def row_bindings(*, gamma: int | None = None, choose_gamma: bool = False,
+                 temperature: float | None = None, lenience: float | None = None,
+                 run_baseline: bool | None = None, num_examples: int | None = None,
+                 batch_size: int | None = None, step_timing_repeats: int | None = None,
+                 timing_repeats: int | None = None, mesh: str | None = None,
+                 compact_batch: bool | None = None) -> tuple[str, ...]:
+  """gin bindings of a row's settings (None = keep the config's value): gamma and lenience
+  of the 'speculative' decoder; choose_gamma: choose its gamma from warm-up measurements
+  (`GammaChoice`; the warm-up decodes at gamma 4); run_baseline False: no baseline;
+  compact_batch: the baseline and the speculative decoder shrink their batch."""
+  if choose_gamma and gamma is not None:
+    raise ValueError("a row either fixes gamma or chooses it (choose_gamma), not both")
   out = []
+  if choose_gamma:
+    out += ["GAMMA = 4", "ExperimentConfig.gamma_choice = @GammaChoice()"]
+  if run_baseline is False:
+    out.append("ExperimentConfig.baseline = None")
   for name, value in (("GAMMA", gamma), ("TEMPERATURE", temperature),
-                      ("ExperimentConfig.lenience", lenience),
-                      ("ExperimentConfig.run_baseline", run_baseline),
+                      ("speculative/Speculative.lenience", lenience),
                       ("NUM_EXAMPLES", num_examples), ("BATCH_SIZE", batch_size),
                       ("ExperimentConfig.step_timing_repeats", step_timing_repeats),
                       ("ExperimentConfig.timing_repeats", timing_repeats),
-                      ("ExperimentConfig.mesh", mesh)):
+                      ("ExperimentConfig.mesh", mesh), ("COMPACT_BATCH", compact_batch)):
     if value is not None:
       out.append(f"{name} = {_q(value) if isinstance(value, str) else repr(value)}")
   return tuple(out)
@@ -196,29 +204,23 @@ def parse_checkpoints(text: str | None) -> dict[str, str]:
 
 def parse_config(setup: Setup):
   """The ExperimentConfig of a setup (gin state cleared first)."""
-  import gin
-
-  from spec_decode import main
-  gin.clear_config()
-  return main.parse_config(list(setup.gin_files), list(setup.bindings))
+  from spec_decode.cli import gin as gin_layer
+  return gin_layer.parse_experiment(list(setup.gin_files), list(setup.bindings))
 
 
 def run(setup: Setup, output_dir: str, *, show_progress: bool = False) -> dict[str, Any]:
-  """Runs (or resumes) the experiment with `spec_decode.main.run`; returns its summary."""
+  """Runs (or resumes) the experiment into output_dir with the runner
+  (`experiment.run_experiment`, through the gin layer); returns its summary."""
   if setup.missing:
     raise ValueError(f"cannot run: {'; '.join(setup.missing)}")
-  import gin
-
-  from spec_decode import main
-  gin.clear_config()
-  return main.run(list(setup.gin_files), list(setup.bindings), output_dir,
-                  show_progress=show_progress)
+  from spec_decode.cli import gin as gin_layer
+  return gin_layer.run_experiment(list(setup.gin_files), list(setup.bindings), output_dir,
+                                  show_progress=show_progress)
 
 
 def load(setup: Setup):
-  """Loads the experiment's task, examples and models (`experiment.setup`) without running."""
+  """Loads the experiment's task, examples and models (`experiment.load`) without running."""
   if setup.missing:
     raise ValueError(f"cannot load: {'; '.join(setup.missing)}")
   from spec_decode import experiment
-  return experiment.setup(parse_config(setup))
-
+  return experiment.load(parse_config(setup))

@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any, Sequence
 
-from experiments import _common, setups
-from experiments._common import Column, fmt
+from experiments import harness, setups
+from experiments.harness import Column, fmt
 
 DEFAULT_RUNS_DIR = "/tmp/spec_decode_trees"
 
@@ -64,12 +63,11 @@ def verify_curves(setup: setups.Setup, max_tokens: int,
   and the draft scoring N new tokens in one call, in target steps, on the run's first batch."""
   import jax.numpy as jnp
 
-  from spec_decode import batching, timing
+
+  from spec_decode.decoding import timing
   st = setups.load(setup)
   cfg = st.config
-  enc, _ = batching.example_batch(list(st.examples[:cfg.batch_size]),
-                                  batch_size=cfg.batch_size,
-                                  input_length=cfg.feature_lengths["inputs"])
+  enc = harness.setup_batches(st)[0][0][0]
   sizes = sorted({1} | {2 ** k for k in range(1, max_tokens.bit_length())} | {max_tokens})
   times = {}
   for role, model, params in (("target", st.target, st.target_params),
@@ -93,7 +91,7 @@ def tree_draft_cost(shape: dict[str, int], draft_curve: dict[int, float]) -> flo
           + (shape["steps"] - 1) * theory.interpolate_cost(draft_curve, shape["budget"]))
 
 
-def run(args):
+def sweep(args):
   """(table rows, {task: (target curve, draft curve)}, {(task, t): budget choice})."""
   rows, curves, choices = [], {}, {}
   for task in args.tasks:
@@ -101,7 +99,7 @@ def run(args):
       s = setups.experiment_setup(args.scale, task, "small", temperature=temperature,
                                   demo_dir=args.demo_models)
       s = s.with_bindings(*setups.row_bindings(
-          gamma=args.gamma, temperature=temperature, num_examples=args.num_examples,
+          temperature=temperature, num_examples=args.num_examples,
           step_timing_repeats=args.step_timing_repeats),
           *decoder_bindings(args.gamma, args.budgets, args.width, args.depth))
       run_dir = os.path.join(args.runs_dir, args.scale, f"{task}_t{temperature:g}")
@@ -137,7 +135,7 @@ def _totals(run_dir: str, name: str) -> dict[str, Any]:
   """A decoder's counters summed over the run's examples (per-position ones elementwise)."""
   import numpy as np
 
-  from spec_decode import results
+  from spec_decode.experiment import results
   rows = results.read_rows(os.path.join(run_dir, results.PREDICTIONS)).values()
   st = [r["decoders"][name]["stats"] for r in rows]
   out = {k: sum(x[k] for x in st) for k in ("draft_tokens", "target_calls")}
@@ -194,15 +192,15 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--step_timing_repeats", type=int, default=10)
   p.add_argument("--demo_models", default=None)
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--progress", action="store_true")
   args = p.parse_args(list(argv))
   args.tasks = [t for t in args.tasks.split(",") if t]
   for t in args.tasks:
     if t not in setups.TASKS:
       p.error(f"unknown task {t!r}; choose from {setups.TASKS}")
-  args.temperatures = _common.parse_floats(args.temperatures, "temperatures")
-  args.budgets = _common.parse_ints(args.budgets, "budgets")
+  args.temperatures = harness.parse_floats(args.temperatures, "temperatures")
+  args.budgets = harness.parse_ints(args.budgets, "budgets")
   if args.width < 1 or args.depth < 1 or args.gamma < 1 or args.max_tokens < 1:
     p.error("--width, --depth, --gamma and --max_tokens must be >= 1")
   if args.max_tokens < max(args.budgets) + 1:
@@ -211,13 +209,8 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.trees", argv, **{
-      k: v for k, v in vars(args).items() if k not in ("results_dir", "runs_dir")})
-  rows, curves, choices = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  rows, curves, choices = sweep(args)
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("task", "task"), Column("temperature", "t", lambda v: f"{v:g}"),
           Column("decoder", "decoder"),
@@ -266,15 +259,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "maximizes it. The prediction charges no loop overhead. measured cost/call: the "
            "decoder's seconds / its target calls / T_p (the run's own marginal target step); "
            "the gap to draft cost(B) + t(B+1) is the loop's own work per iteration."]
-  paths = _common.write_outputs(
-      args.results_dir, "trees", title=f"Tree speculation vs chain ({args.scale} scale)",
-      columns=cols, rows=rows, meta=meta, notes=notes,
+  return harness.Output(
+      "trees", f"Tree speculation vs chain ({args.scale} scale)", cols, rows, notes,
       extra_md="\n".join(curve_md + choice_md) + "\n",
       extra={"verify_curve": {t: {str(n): v for n, v in c[0].items()} for t, c in curves.items()},
              "draft_curve": {t: {str(n): v for n, v in c[1].items()} for t, c in curves.items()},
              "budget_choice": {f"{t}_t{temp:g}": c for (t, temp), c in choices.items()}})
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.trees", argv, parse_args, run,
+                      private=("results_dir", "runs_dir"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-r"""Token-level vs block verification, and fixed vs adaptive draft length (issue 16).
+r"""Token-level vs block verification, and fixed vs adaptive draft length.
 
   python -m experiments.verify_ablation                      # both demo tasks, T = 0 and 1
   python -m experiments.verify_ablation --tasks ende --temperatures 1 --num_examples 10
@@ -29,16 +29,13 @@ Writes <results_dir>/verify_ablation.{md,csv,json}.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from experiments import _common, setups
-from experiments._common import Column, fmt
+from experiments import harness, setups
+from experiments.harness import Column, fmt
 
 RULES = ("schedule", "threshold", "tuned")
 
@@ -59,85 +56,40 @@ def decoders(args) -> dict[str, Any]:
   return out
 
 
-def _batches(s, batch_size: int):
-  from spec_decode import batching
-  examples = list(s.examples)
-  S = s.config.feature_lengths["inputs"]
-  out = []
-  for i in range(0, len(examples), batch_size):
-    enc, ids = batching.example_batch(examples[i:i + batch_size], batch_size=batch_size,
-                                      input_length=S)
-    out.append((jnp.asarray(enc), jnp.asarray(ids)))
-  return out, len(examples)
-
-
-def _decode_all(fn, batches) -> tuple[float, list]:
-  from spec_decode import timing
-  total, outs = 0.0, []
-  for enc, ids in batches:
-    t = timing.timed(lambda: fn(enc, ids))
-    total += t.seconds[0]
-    outs.append(t.result)
-  return total, outs
-
-
-def _cat(outs, n: int, field: str) -> np.ndarray:
-  if field in ("tokens", "lengths"):
-    return np.concatenate([np.asarray(getattr(r, field)) for r in outs])[:n]
-  return np.concatenate([np.asarray(getattr(r.stats, field)) for r in outs])[:n]
-
-
 def run_cell(args, s, task: str, temperature: float) -> list[dict[str, Any]]:
   """All decoders of one (task, temperature) cell."""
-  from spec_decode import decoding, metrics
-  batches, n = _batches(s, args.batch_size)
+  from spec_decode import decoding
+  batches, n = harness.setup_batches(s)
   common = dict(max_decode_len=s.config.decode_len,
                 sampling=decoding.Sampling(temperature=temperature),
                 rng=jax.random.PRNGKey(args.seed))
   algos = {"autoregressive": decoding.Autoregressive(), **decoders(args)}
-
-  def fn(algo):
-    drafts = dict(draft=s.draft, draft_params=s.draft_params) if algo.needs_draft else {}
-    return lambda enc, ids: decoding.run(algo, s.target, s.target_params, enc, row_ids=ids,
-                                         **drafts, **common)
-  fns = {name: fn(a) for name, a in algos.items()}
-  for name, f in fns.items():  # compile (and warm) every decoder first
-    print(f"[{task} T={temperature:g}] compiling {name}", flush=True)
-    jax.block_until_ready(f(*batches[0]))
-  seconds = {name: [] for name in fns}
-  outs = {}
-  for r in range(args.repeats):
-    for name, f in fns.items():
-      secs, outs[name] = _decode_all(f, batches)
-      seconds[name].append(secs)
-    print(f"[{task} T={temperature:g}] round {r + 1}/{args.repeats} done", flush=True)
-  base_tokens = _cat(outs["autoregressive"], n, "tokens")
-  base_lengths = _cat(outs["autoregressive"], n, "lengths")
+  fns = {name: harness.decode_fn(a, s.target, s.target_params, s.draft, s.draft_params,
+                                 **common) for name, a in algos.items()}
+  print(f"[{task} T={temperature:g}] compiling {len(fns)} decoders", flush=True)
+  times = harness.time_decodes(
+      fns, batches, repeats=args.repeats, target=s.target,
+      on_round=lambda r: print(f"[{task} T={temperature:g}] round {r + 1}/{args.repeats} done",
+                               flush=True))
+  base = times["autoregressive"]
   rows = []
   for name, algo in algos.items():
     if name == "autoregressive":
       continue
-    o = outs[name]
-    lengths = _cat(o, n, "lengths")
-    calls, drafted = _cat(o, n, "target_calls").sum(), _cat(o, n, "draft_tokens").sum()
-    dec, acc = _cat(o, n, "decisions").sum(), _cat(o, n, "accepted").sum()
-    speedups = [a / b for a, b in zip(seconds["autoregressive"], seconds[name])]
-    tokens = _cat(o, n, "tokens")
-    same = [np.array_equal(tokens[i, :lengths[i]], base_tokens[i, :base_lengths[i]])
-            for i in range(n)]
-    rule = getattr(algo.drafter, "rule", "fixed")
+    st = harness.decode_stats(times[name].outputs, n, baseline=base.outputs)
+    speedups = [a / b for a, b in zip(base.seconds, times[name].seconds)]
+    rule = algo.drafter.rule if isinstance(algo.drafter, decoding.AdaptiveDrafter) else "fixed"
     rows.append({
         "task": task, "temperature": temperature, "decoder": name, "rule": rule,
         "verifier": algo.verifier.registered_name, "gamma": algo.gamma,
-        "tokens_per_call": float(lengths.sum() / calls),
-        "drafted_per_call": float(drafted / calls),
-        "alpha": metrics.alpha_estimate(min_pq_sum=_cat(o, n, "min_pq_sum"), decisions=dec),
-        "accepted_per_decision": float(acc / dec) if dec else math.nan,
-        "seconds": float(np.median(seconds[name])),
-        "autoregressive_seconds": float(np.median(seconds["autoregressive"])),
-        "speedup": float(np.median(speedups)), "speedup_spread": _common.spread(speedups),
+        "tokens_per_call": st["tokens_per_target_call"],
+        "drafted_per_call": st["drafted_per_target_call"],
+        "alpha": st["alpha"], "accepted_per_decision": st["alpha_observed"],
+        "seconds": float(np.median(times[name].seconds)),
+        "autoregressive_seconds": float(np.median(base.seconds)),
+        "speedup": float(np.median(speedups)), "speedup_spread": harness.spread(speedups),
         # only greedy outputs are deterministic functions of the inputs
-        "identical_fraction": float(np.mean(same)) if temperature == 0 else None,
+        "identical_fraction": st["identical"] if temperature == 0 else None,
         "examples": n})
   return rows
 
@@ -182,7 +134,7 @@ def summarize(rows: list[dict]) -> list[dict]:
   return out
 
 
-def run(args) -> dict[str, Any]:
+def sweep(args) -> dict[str, Any]:
   rows, notes = [], []
   for task in args.tasks:
     s = setups.experiment_setup(args.scale, task, args.draft, demo_dir=args.demo_models)
@@ -217,17 +169,17 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--demo_models", default=None)
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--name", default="verify_ablation", help="the result files' stem")
   args = p.parse_args(list(argv))
   args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
   bad = [t for t in args.tasks if t not in setups.TASKS]
   if bad or not args.tasks:
     p.error(f"unknown tasks {bad}; known: {setups.TASKS}")
-  args.temperatures = _common.parse_floats(args.temperatures, "temperatures")
+  args.temperatures = harness.parse_floats(args.temperatures, "temperatures")
   if any(t < 0 for t in args.temperatures):
     p.error("--temperatures must be >= 0")
-  args.gammas = _common.parse_ints(args.gammas, "gammas")
+  args.gammas = harness.parse_ints(args.gammas, "gammas")
   if args.max_gamma < 1:
     p.error("--max_gamma must be >= 1")
   if not 0.0 < args.threshold < 1.0:
@@ -238,13 +190,8 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.verify_ablation", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
-  res = run(args)
-  _common.finish_meta(meta)
+def run(args, meta) -> harness.Output:
+  res = sweep(args)
   x = lambda v: fmt(v, 2, "X")
   f2, f3 = (lambda v: fmt(v, 2)), (lambda v: fmt(v, 3))
   cols = [Column("task", "task"), Column("temperature", "T", lambda v: fmt(v, 0)),
@@ -275,13 +222,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
       f"the target still verifies {args.max_gamma} + 1 positions per call (static shapes).",
       "Literature (Sun et al. 2025): +0.05-0.14 tokens per call and 5-8% wall clock for "
       "block verification."] + res["notes"]
-  md_summary = ("\n## Summary\n\n" + _common.markdown_table(summary_cols, res["summary"]))
-  paths = _common.write_outputs(
-      args.results_dir, args.name, title="Block verification and adaptive draft length",
-      columns=cols, rows=res["rows"], meta=meta, notes=notes, extra_md=md_summary,
-      extra={"summary": res["summary"]})
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+  md_summary = ("\n## Summary\n\n" + harness.markdown_table(summary_cols, res["summary"]))
+  return harness.Output(args.name, "Block verification and adaptive draft length", cols,
+                        res["rows"], notes, extra_md=md_summary, extra={"summary": res["summary"]})
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.verify_ablation", argv, parse_args, run)
 
 
 if __name__ == "__main__":

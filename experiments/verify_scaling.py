@@ -22,11 +22,10 @@ back in one process. Writes <results_dir>/verify_scaling.{md,csv,json}.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Sequence
 
-from experiments import _common
-from experiments._common import Column, fmt
+from experiments import harness
+from experiments.harness import Column, fmt
 
 DEFAULT_MODELS = "demo:ende_target,t5_1_1_mini,t5_1_1_small,t5_1_1_base"
 DEMO_VOCAB = 1536
@@ -37,9 +36,7 @@ def measure(args) -> list[dict[str, Any]]:
   import jax.numpy as jnp
   import numpy as np
 
-  from experiments import benchmark
-  from spec_decode import timing
-  from spec_decode.model_specs import LoadContext, load
+  from spec_decode.decoding import timing
   option_sets = [("project", None, True)]
   if args.compare_xla_dots:
     option_sets.append(("project, XLA dots", None, False))
@@ -47,8 +44,9 @@ def measure(args) -> list[dict[str, Any]]:
     option_sets.append(("xla defaults, XLA dots", {}, False))
   rows = []
   for text in args.models:
-    spec = benchmark.model_spec(text, None, None, 0, args.vocab_size, "target")
-    model, params = load(spec, LoadContext("target"))
+    spec = harness.model_spec(text, vocab_size=args.vocab_size)
+    models = harness.load_models(spec)
+    model, params = models.target, models.target_params
     leaves = jax.tree_util.tree_leaves_with_path(params)
     n_params = int(sum(x.size for _, x in leaves))
     n_decoder = int(sum(x.size for path, x in leaves
@@ -87,10 +85,10 @@ def parse_args(argv: Sequence[str]):
                  help="also measure with XLA's dots (weights not packed for the CPU kernel)")
   p.add_argument("--xla_defaults", action="store_true",
                  help="also measure under XLA's default options (XLA's dots)")
-  p.add_argument("--results_dir", default=_common.RESULTS_DIR)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   args.models = [m for m in args.models.split(",") if m]
-  args.tokens = tuple(sorted({1} | set(_common.parse_ints(args.tokens, "tokens"))))
+  args.tokens = tuple(sorted({1} | set(harness.parse_ints(args.tokens, "tokens"))))
   if not args.models:
     p.error("--models is empty")
   if min(args.tokens) < 1 or args.repeats < 1 or args.input_length < 1 or args.position < 0:
@@ -98,13 +96,8 @@ def parse_args(argv: Sequence[str]):
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
-  meta = _common.new_meta("experiments.verify_scaling", argv, **{
-      k: v for k, v in vars(args).items() if k != "results_dir"})
+def run(args, meta) -> harness.Output:
   rows = measure(args)
-  _common.finish_meta(meta)
   cols = [Column("model", "target"),
           Column("params", "params", lambda v: f"{v / 1e6:.1f}M"),
           Column("weight_mb", "decoder weights", lambda v: f"{v:.1f} MB"),
@@ -118,11 +111,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
            "t(N) = T_verify(N) / T_p: the cost of scoring N new tokens in one call, in "
            "single-token steps. Speculative decoding with gamma = N - 1 needs "
            "E[tokens per call] > gamma c + t(N) to pay off."]
-  paths = _common.write_outputs(args.results_dir, "verify_scaling",
-                                title="Verify cost against target size", columns=cols,
-                                rows=table, meta=meta, notes=notes)
-  print(open(paths["md"], encoding="utf-8").read())
-  return paths
+  return harness.Output("verify_scaling", "Verify cost against target size", cols, table, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.verify_scaling", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -195,6 +195,8 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   sys.path.insert(0, REPO_ROOT)
-  from spec_decode import main as sd_main  # defines --gin_file, --gin_bindings, --output_dir
+  from spec_decode.cli import gin as gin_layer
+  from spec_decode.cli import main as experiment_command
+  experiment_command.define_flags()  # --gin_file, --gin_bindings, --output_dir, ...
   define_flags()
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(sd_main.rewrite_gin_args(argv)))
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_layer.rewrite_gin_args(argv)))

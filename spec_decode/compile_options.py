@@ -3,7 +3,7 @@
 On XLA:CPU the defaults route every multi-row matmul to YNNPACK fusions, which
 on small-M products (the 2..16 rows of a verify call or a batch) run several
 times slower than Eigen's dot, and split each small op over the thread pool.
-Measured on the demo pairs (2-core CPU, `experiments/benchmark.py`): with
+Measured on the demo pairs on a small CPU host (`experiments/benchmark.py`): with
 YNNPACK dot fusions off and single-threaded Eigen, autoregressive and
 speculative decoding both get faster with token-identical outputs, so the
 project compiles its loops that way on CPU unless told otherwise. Options a
@@ -14,15 +14,13 @@ jaxlibs keep working with XLA's own defaults.
 a mapping (e.g. {} for XLA's defaults) is used as given.
 
 `unroll_threefry_on_cpu()` (called when `spec_decode.decoding` is imported): JAX lowers
-its Threefry hash on CPU as a rolled 5-step while loop (cheap to compile), so every random
-draw inside a decoding loop runs a nested loop of ~16 kernels per step. A sampled
+its Threefry hash on CPU as a rolled 5-step while loop (cheap to compile), so every
+random draw inside a decoding loop runs a nested loop of ~16 kernels per step. A sampled
 speculative iteration of the demo pair draws 7-10 times (row keys, splits, the draft's
 samples, the acceptance uniforms, the residual draw) and ran ~1,600 kernels against ~680
-greedy; with the unrolled lowering JAX uses on other backends it runs ~840, and the
-sampled speculative decode of the 3.7M demo pair took 1.00-1.06x its greedy time against
-1.09-1.17x (the same examples at t=0 and t=1 in one process, two processes per lowering).
-The hash is the same, so every random bit is unchanged (tests/test_compile_options.py); a
-call costs some more compile time.
+greedy; with the unrolled lowering JAX uses on other backends it runs ~840 (a sampled
+decode's time moves towards its greedy one). The hash is the same, so every random bit
+is unchanged (tests/test_compile_options.py); a call costs some more compile time.
 SPEC_DECODE_UNROLLED_THREEFRY=0 keeps JAX's lowering.
 """
 

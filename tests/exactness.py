@@ -20,6 +20,18 @@ from spec_decode.models import t5, testing
 from spec_decode.models.testing import MarkovDecoder
 
 P_REJECT = 1e-3  # chi-square significance: exactness fails, a negative control passes, below it
+# The oracles' sample size, their one setting: every sequence-law case samples rows(k) =
+# k x ROWS independent rows (whole output sequences): k 1 for one Markov input, 2/3 for the
+# T5 family's smaller laws and the head drafters, 6/5 for three inputs, 4/3 or 5/3 where a
+# negative control needs the power to be rejected, 1/10 or 2/15 for the n-gram and Medusa
+# smoke laws. The slow tier runs them all; the fast tier one small case per
+# verifier and drafter family.
+ROWS = 30_000
+
+
+def rows(k: float = 1.0) -> int:
+  """k x ROWS rows, a whole number."""
+  return int(round(k * ROWS))
 
 MK_V, MK_L = 6, 4
 MK_ENC = np.array([[3, 4, 5, 0], [2, 2, 0, 0], [5, 1, 4, 3]], np.int32)
@@ -98,7 +110,8 @@ def fit(label: str, groups, laws) -> testing.GoodnessOfFit:
   return out
 
 
-def head_law_fit(algorithm, make_draft, label: str, *, rows: int = 20_000, n_inputs: int = 2,
+def head_law_fit(algorithm, make_draft, label: str, *, rows: int = rows(2 / 3),
+                 n_inputs: int = 2,
                  sampling: decoding.Sampling = decoding.Sampling(temperature=1.0)):
   """(fit, result): the sequence law of `algorithm` on the t5 family's target with the draft
   make_draft(target) -> (draft, params) (a head reading the target), against the exact law."""

@@ -10,9 +10,9 @@ def configured(path: str, configurable):
   root, which its includes and checkpoint paths are relative to) binds it."""
   import gin
 
-  from spec_decode import main
+  from spec_decode.cli import gin as gin_layer
   gin.clear_config()
-  main.register_gin()
+  gin_layer.register_gin()
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 import exactness as ex
-from spec_decode import decoding, main
+from tiers import tiered
+from spec_decode import decoding
+from spec_decode.cli import gin as gin_layer
 from spec_decode.decoding.drafters import adaptive
 from spec_decode.models import t5
 from spec_decode.models.testing import MarkovDecoder
@@ -52,31 +54,32 @@ class DroppingDrafter(decoding.AdaptiveDrafter):
 
 # name: (family, draft, sampling, gamma, drafter, verifier, encoder inputs, rows, seed)
 CASES = {
-    "schedule_chain_mk_far_t1_g5": ("mk", "far", S(1.0), 5, Adaptive(), CHAIN, 1, 30_000, 400),
+    "schedule_chain_mk_far_t1_g5": ("mk", "far", S(1.0), 5, Adaptive(), CHAIN, 1, ex.rows(),
+                                    400),
     "schedule_block_mk_close_t0.7_g5_3inputs": ("mk", "close", S(0.7), 5, Adaptive(start=2),
-                                                BLOCK, 3, 36_000, 401),
+                                                BLOCK, 3, ex.rows(6 / 5), 401),
     "threshold_chain_mk_far_topk3_g4": ("mk", "far", S(1.0, top_k=3), 4,
                                         Adaptive(rule="threshold", threshold=0.5), CHAIN, 1,
-                                        30_000, 402),
+                                        ex.rows(), 402),
     "threshold_block_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
-                                     Adaptive(rule="threshold", threshold=0.3), BLOCK, 1, 30_000,
-                                     403),
+                                     Adaptive(rule="threshold", threshold=0.3), BLOCK, 1,
+                                     ex.rows(), 403),
     "tuned_chain_mk_far_t0.9_topp0.85_g4": ("mk", "far", S(0.9, top_p=0.85), 4,
                                             Adaptive(rule="tuned", threshold=0.3, step=0.2),
-                                            CHAIN, 1, 30_000, 404),
+                                            CHAIN, 1, ex.rows(), 404),
     "tuned_block_mk_close_t1_g4": ("mk", "close", S(1.0), 4,
                                    Adaptive(rule="tuned", threshold=0.5, step=0.2), BLOCK, 1,
-                                   30_000, 405),
+                                   ex.rows(), 405),
     "tuned_block_t5_far_t1_g3": ("t5", "far", S(1.0), 3,
                                  Adaptive(rule="tuned", threshold=0.3, step=0.2), BLOCK, 1,
-                                 20_000, 406),
+                                 ex.rows(2 / 3), 406),
     # the negative control and its exact twin (same models, keys and threshold)
     "threshold_chain_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
-                                     Adaptive(rule="threshold", threshold=0.2), CHAIN, 1, 30_000,
-                                     407),
+                                     Adaptive(rule="threshold", threshold=0.2), CHAIN, 1,
+                                     ex.rows(), 407),
     "dropping_chain_mk_far_t1_g4": ("mk", "far", S(1.0), 4,
                                     DroppingDrafter(rule="threshold", threshold=0.2), CHAIN, 1,
-                                    30_000, 407),
+                                    ex.rows(), 407),
 }
 
 
@@ -93,7 +96,8 @@ def _mean_drafted(result) -> float:
   return float(np.sum(result.stats.draft_tokens) / np.sum(result.stats.target_calls))
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("dropping")])
+@pytest.mark.parametrize("name", tiered([n for n in CASES if not n.startswith("dropping")],
+                                         fast=("threshold_chain_mk_far_t1_g4",)))
 def test_adaptive_length_is_exact(name):
   result, groups, laws = _run(name)
   gamma = CASES[name][3]
@@ -105,6 +109,7 @@ def test_adaptive_length_is_exact(name):
   assert np.all(np.asarray(result.stats.decisions) <= np.asarray(result.stats.draft_tokens))
 
 
+@pytest.mark.slow
 def test_negative_control_dropping_the_low_probability_token_is_rejected():
   result, groups, laws = _run("dropping_chain_mk_far_t1_g4")
   fit = ex.fit("dropping drafter (negative control)", groups, laws)
@@ -129,10 +134,13 @@ def _greedy_setup():
 
 
 # (test_block_verification shows the block verifier equals the chain one at temperature 0)
-@pytest.mark.parametrize("drafter,verifier", [
+_GREEDY_IDS = ["schedule_block", "threshold_chain", "tuned_block"]
+
+
+@pytest.mark.parametrize("drafter,verifier", tiered([
     (Adaptive(start=1), BLOCK), (Adaptive(rule="threshold", threshold=0.4), CHAIN),
-    (Adaptive(rule="tuned", threshold=0.4, step=0.1), BLOCK)],
-    ids=["schedule_block", "threshold_chain", "tuned_block"])
+    (Adaptive(rule="tuned", threshold=0.4, step=0.1), BLOCK)], fast=("threshold_chain",),
+    ids=_GREEDY_IDS))
 def test_greedy_equals_autoregressive(drafter, verifier):
   target, tp, (dm, dp), enc, ar = _greedy_setup()
   got = decoding.run(decoding.Speculative(gamma=5, drafter=drafter, verifier=verifier), target,
@@ -174,6 +182,7 @@ def _schedule_totals(lengths, calls):
   return np.array([sum(lengths[:c]) for c in calls])
 
 
+@pytest.mark.slow
 def test_schedule_lengths():
   # The target as its own draft: every block is accepted, lengths 1, 3, 5, 5, ...
   full = _long_run(Adaptive(start=1), "same", verifier=CHAIN)
@@ -237,6 +246,7 @@ def test_tuned_threshold_update():
   np.testing.assert_array_equal(fixed.threshold, state.threshold)
 
 
+@pytest.mark.slow
 def test_row_alone_equals_row_in_batch():
   # The draft loop ends when the whole batch has stopped; a row's output must not care.
   drafter = Adaptive(rule="tuned", threshold=0.4, step=0.2)
@@ -256,6 +266,7 @@ def test_row_alone_equals_row_in_batch():
   assert len(set(np.asarray(batch.stats.draft_tokens).tolist())) > 3
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded():
   from spec_decode import partitioning
   target, tp = ex.markov_models()["target"]
@@ -301,7 +312,7 @@ def test_settings_beyond_gamma(kwargs):
 
 
 def test_gin_builds_the_variants():
-  cfg = main.parse_config(["configs/toy_random.gin"], [
+  cfg = gin_layer.parse_experiment(["configs/toy_random.gin"], [
       "a/Speculative.gamma = 6", "a/Speculative.drafter = @a/AdaptiveDrafter()",
       "a/AdaptiveDrafter.rule = 'tuned'", "a/AdaptiveDrafter.threshold = 0.3",
       "b/Speculative.gamma = 4", "b/Speculative.verifier = @BlockVerifier()",

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+import exactness as ex
 from spec_decode import decoding
 from spec_decode.decoding import Sampling, runner
 from spec_decode.models import base, t5
@@ -68,13 +69,14 @@ def test_eos_stops_rows_independently():
   assert len(set(np.asarray(r.lengths).tolist())) > 1
 
 
+@pytest.mark.slow
 def test_sampled_pairs_follow_model_distribution():
   """The (first, second) token pair frequencies match the model's exact joint law."""
   cfg = t5.T5Config.preset("t5_1_1_tiny", vocab_size=6)
   model = t5.T5(cfg)
   params = model.init(jax.random.PRNGKey(2))
   s = Sampling(temperature=1.0)
-  V, n = cfg.vocab_size, 30_000
+  V, n = cfg.vocab_size, ex.rows()
   enc1 = np.array([[3, 4, 5, 2]], np.int32)
   r = decoding.autoregressive(model, params, np.repeat(enc1, n, 0), max_decode_len=2,
                               sampling=s, rng=jax.random.PRNGKey(5))
@@ -96,6 +98,7 @@ def test_sampled_pairs_follow_model_distribution():
   assert chi2.pvalue > 1e-3, chi2
 
 
+@pytest.mark.slow
 def test_row_independent_of_batch_neighbours(tiny):
   model, params = tiny
   V = model.config.vocab_size
@@ -152,6 +155,7 @@ class TestTrimmedInputs:
         np.zeros((2, 40), np.int32))
     assert shapes == [(2, 40)]
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("temperature", [0.0, 1.0])
   def test_same_outputs_as_untrimmed(self, tiny, temperature):
     model, params = tiny
@@ -199,6 +203,7 @@ class TestPackedInputs:
     with pytest.raises(ValueError, match="packed_index must be a 1-D integer array"):
       model.encode(params, enc, packed_index=np.zeros((2, 2), np.int32))
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("temperature", [0.0, 1.0])
   def test_same_outputs_as_unpacked(self, tiny, temperature):
     model, params = tiny

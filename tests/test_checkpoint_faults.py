@@ -144,7 +144,7 @@ def test_head_reader_and_writer_refuse_nonfinite(tmp_path, nan_params):
 
 def test_model_spec_load_refuses_a_nan_target(tmp_path, nan_params):
   """As a decode target, a NaN checkpoint is refused instead of decoding into PAD tokens."""
-  from spec_decode import model_specs
+  from spec_decode.experiment import model_specs
   checkpoints.save(tmp_path / "c", CONFIG, nan_params, allow_nonfinite=True)
   spec = model_specs.ModelSpec(checkpoint=str(tmp_path / "c"), dtype="float32")
   with pytest.raises(checkpoints.CheckpointError, match=rf"{BAD} .* holds 6 non-finite"):

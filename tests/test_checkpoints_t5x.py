@@ -293,7 +293,7 @@ def test_corrupt_msgpack_and_missing_target(tmp_path):
 
 
 def test_model_spec_passes_allow_missing_chunks_and_records_it(saved):
-  from spec_decode import model_specs
+  from spec_decode.experiment import model_specs
   os.remove(saved / "target.decoder.logits_dense.kernel" / "0.0")
   spec = model_specs.ModelSpec(checkpoint=str(saved), dtype="float32")
   assert "allow_missing_chunks" not in spec.to_json()

@@ -8,9 +8,14 @@ import sys
 
 import pytest
 
-from spec_decode import cli, data, experiment, main, results, run_status
+from spec_decode import data, experiment, paths
+from spec_decode.cli import errors as cli
+from spec_decode.cli import gin as gin_layer
+from spec_decode.cli import main
+from spec_decode.experiment import results
+from spec_decode.experiment import status as run_status
 
-ROOT = main.REPO_ROOT
+ROOT = paths.REPO_ROOT
 TOY = "configs/toy_random.gin"
 
 
@@ -19,6 +24,7 @@ def _cli(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_misspelled_macro_is_one_line_exit_2_and_verbose_shows_traceback(tmp_path):
   proc = _cli(f"--gin_file={TOY}", "--gin.GAMA=9", f"--output_dir={tmp_path / 'o'}")
   assert proc.returncode == 2
@@ -44,18 +50,32 @@ def test_misspelled_macro_is_one_line_exit_2_and_verbose_shows_traceback(tmp_pat
 ])
 def test_gin_mistakes_are_clear(files, bindings, error, match):
   with pytest.raises(error, match=match):
-    main.parse_config(files, bindings)
+    gin_layer.parse_experiment(files, bindings)
 
 
 def test_macros_used_by_the_config_are_accepted():
-  config = main.parse_config([TOY], ["GAMMA = 3", "TEMPERATURE = 0.5",
-                                     "ExperimentConfig.timing_repeats = 2"])
-  assert config.gamma == 3 and config.temperature == 0.5 and config.timing_repeats == 2
+  config = gin_layer.parse_experiment([TOY], ["GAMMA = 3", "TEMPERATURE = 0.5",
+                                             "ExperimentConfig.timing_repeats = 2"])
+  assert config.decoders["speculative"].gamma == 3 and config.sampling.temperature == 0.5
+  assert config.timing_repeats == 2
+
+
+def test_macros_that_nothing_built_reads_are_refused():
+  """A macro bound on the command line must reach a built object: GAMMA with decoders that
+  carry their own gammas (a tree experiment) would change nothing."""
+  with pytest.raises(ValueError, match="sets the macro GAMMA, which none of the configured "
+                                       "objects reads"):
+    gin_layer.parse_experiment(["configs/demo/ende_tree_experiment.gin"], ["GAMMA = 5"])
+  with pytest.raises(ValueError, match="configured gamma 7 would have no effect"):
+    gin_layer.parse_experiment(["configs/demo/ende_experiment.gin"], ["GAMMA = 7"])
+  fixed = gin_layer.parse_experiment(["configs/demo/ende_experiment.gin"],
+                                     ["GAMMA = 7", "ExperimentConfig.gamma_choice = None"])
+  assert fixed.decoders["speculative"].gamma == 7 and fixed.gamma_choice is None
 
 
 def test_near_zero_temperature_is_refused():
   with pytest.raises(ValueError, match="use 0 for greedy"):
-    main.parse_config([TOY], ["TEMPERATURE = 1e-38"])
+    gin_layer.parse_experiment([TOY], ["TEMPERATURE = 1e-38"])
 
 
 def test_output_dir_is_checked_before_models_load(tmp_path, monkeypatch):
@@ -86,7 +106,7 @@ def test_second_run_into_a_locked_dir_is_refused(tmp_path, monkeypatch):
       with results.locked(out):
         pass
     monkeypatch.setattr(experiment, "setup", lambda *a, **k: pytest.fail("setup ran"))
-    config = main.parse_config([TOY], [])
+    config = gin_layer.parse_experiment([TOY], [])
     with pytest.raises(results.OutputDirError, match="in use by another run"):
       experiment.run_experiment(config, output_dir=out, show_progress=False)
   with results.locked(out):  # released: usable again
@@ -131,7 +151,7 @@ def test_default_output_dir_is_per_user_and_checkout(monkeypatch):
   import getpass
   here = main.default_output_dir(["configs/demo/ende_experiment.gin"])
   assert getpass.getuser() in here and os.path.basename(here).startswith("ende_experiment-")
-  monkeypatch.setattr(main, "REPO_ROOT", "/some/other/checkout")
+  monkeypatch.setattr(paths, "REPO_ROOT", "/some/other/checkout")
   other = main.default_output_dir(["configs/demo/ende_experiment.gin"])
   assert other != here and os.path.dirname(other) == os.path.dirname(here)
 
@@ -189,13 +209,14 @@ def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
   assert run_status.recorded_step_times(out) == {"c": 0.2}
 
 
+@pytest.mark.slow
 def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_path):
   """The no-argument job (2 examples): progress lines from the start, no platform-probing
   noise or config dump, one summary block saying where the files are; no TensorFlow."""
   out = str(tmp_path / "default")
   code = ("import runpy, sys\n"
           f"sys.argv = ['spec_decode.main', '--output_dir={out}', '--gin.NUM_EXAMPLES=2',\n"
-          "            '--gin.ExperimentConfig.gamma_warmup_examples=1',\n"
+          "            '--gin.GammaChoice.warmup_examples=1',\n"
           "            '--gin.ExperimentConfig.step_timing_repeats=2']\n"
           "try:\n"
           "  runpy.run_module('spec_decode.main', run_name='__main__', alter_sys=True)\n"
@@ -213,7 +234,7 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
   text = " ".join(progress)
   for step in ("loading task synthetic_ende", "loading the target model",
                "loading the draft model", "decoding 2 examples", "choosing gamma",
-               "compiling both decoders", "measuring single-step times"):
+               "compiling both decoders", "measuring the step costs"):
     assert step in text, step
   assert text.index("loading task") < text.index("compiling")
   stdout = proc.stdout
@@ -234,13 +255,17 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
 
 
 @pytest.mark.parametrize("module,args,match", [
-    ("spec_decode.train", ["--gin_file=configs/demo/ende_small.gin", "--gin.NUM_STEP=3"],
-     "spec_decode.train: error: GinConfigError: gin binding 'NUM_STEP = 3' sets the macro"),
-    ("spec_decode.train", ["--gin_file=configs/demo"], "spec_decode.train: error: "
+    ("spec_decode.cli.train", ["--gin_file=configs/demo/ende_small.gin", "--gin.NUM_STEP=3"],
+     "spec_decode.cli.train: error: GinConfigError: gin binding 'NUM_STEP = 3' sets the macro"),
+    ("spec_decode.cli.train", ["--gin_file=configs/demo"], "spec_decode.cli.train: error: "
      "IsADirectoryError: --gin_file configs/demo is a directory"),
-    ("spec_decode.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.memory: error: "
-     "FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
+    ("spec_decode.cli.train", ["--gin_file=configs/demo/common.gin"], "spec_decode.cli.train: "
+     "error: GinConfigError: the gin files ['configs/demo/common.gin'] must configure one "
+     "training run"),
+    ("spec_decode.cli.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.cli.memory: "
+     "error: FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
 ])
+@pytest.mark.slow
 def test_other_command_lines_end_known_errors_in_one_line(module, args, match):
   proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=300)

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding import runner
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.models.testing import MarkovDecoder
 
@@ -49,7 +50,7 @@ def test_compaction_sizes():
   assert runner.compaction_sizes(13) == (13, 7, 4, 2, 1)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", tiered([0.0, 0.8], fast=(0.0,)))
 def test_compacted_decoders_equal_plain_ones(models, temperature):
   target, tp, draft, dp, enc = models
   kw = dict(max_decode_len=L, sampling=decoding.Sampling(temperature=temperature),
@@ -65,6 +66,7 @@ def test_compacted_decoders_equal_plain_ones(models, temperature):
     _assert_same(plain, compacted)
 
 
+@pytest.mark.slow
 def test_compacted_row_equals_row_decoded_alone(models):
   """Keys follow (rng, row id, step) through the gathers: a row's output is its own."""
   target, tp, draft, dp, enc = models

@@ -8,8 +8,8 @@ import sys
 _PROBE = """
 import json
 import jax, numpy as np
-import spec_decode.decoding  # applies compile_options.unroll_threefry_on_cpu()
 from spec_decode import compile_options
+import spec_decode.decoding  # applies compile_options.unroll_threefry_on_cpu()
 
 def draws(key):
   a = jax.random.fold_in(key, 3)

@@ -19,8 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from spec_decode import checkpoints, decoding, metrics, train_data
+from spec_decode import checkpoints, decoding, metrics
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.data import synthetic_tasks
+from spec_decode.data import tokenized
 from spec_decode.models import t5
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,8 +76,8 @@ def test_demo_checkpoints_load(name):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_demo_eagle_heads_fit_their_targets(task):
-  from spec_decode.heads import eagle
-  head, params = eagle.load(os.path.join(DEMO, f"{task}_eagle"), dtype="float32")
+  head, params = head_checkpoints.load(os.path.join(DEMO, f"{task}_eagle"), kind="eagle",
+                                      dtype="float32")
   tcfg, _ = checkpoints.load(os.path.join(DEMO, f"{task}_target"), dtype="float32")
   head.check_target(t5.T5(tcfg))
   head.check_params(params)
@@ -92,7 +94,7 @@ def demo(request):
   source = synthetic_tasks.offline_source(name)
   examples = source.examples("test", n)
   split = source.tokenized("test", n)
-  enc = train_data._pad(split.inputs, input_length, 16)
+  enc = tokenized.pad_rows(split.inputs, input_length, 16)
   tcfg, tparams = checkpoints.load(os.path.join(DEMO, target_name), dtype="float32")
   target = t5.T5(tcfg)
   if target_name == "ende_target_big":

@@ -23,12 +23,17 @@ import numpy as np
 import pytest
 
 import exactness as ex
-from spec_decode import decoding, train_data
+from spec_decode import decoding
+from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.cli import gin as gin_layer
+from spec_decode.data.tokenized import TokenizedSplit
 from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.decoding.verifiers.chain import greedy_verdict
-from spec_decode.heads import eagle, train_eagle
+from spec_decode.heads import eagle
 from spec_decode.models import t5
+from spec_decode.train import eagle as train_eagle
+from spec_decode.train import heads as train_heads
 from test_speculative import _check_greedy_rows
 
 V, N, S, L = 8, 16, 6, 12
@@ -50,7 +55,7 @@ def tiny_target_and_split():
     enc[row, n:] = 0
   ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
   ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
-  split = train_data.TokenizedSplit(
+  split = TokenizedSplit(
       tuple(tuple(int(t) for t in row[row > 0]) for row in enc),
       tuple(tuple(int(t) for t in row[:n]) for row, n in zip(ar_tokens, ar_lengths)))
   return target, tp, enc, ar_tokens, ar_lengths, split
@@ -63,7 +68,7 @@ def _setup():
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=60, input_length=S,
                                      target_length=L, learning_rate=3e-3, warmup_steps=5,
                                      log_every=10, eval_every=1000, eval_examples=N)
-  result = train_eagle.train_head(cfg, report=lambda s: None, train_split=split,
+  result = train_eagle.train(cfg, report=lambda s: None, train_split=split,
                                   eval_split=split, target=target, target_params=tp)
   return target, tp, enc, ar_tokens, ar_lengths, result
 
@@ -72,17 +77,18 @@ def _teacher_features(target, tp, enc, tokens):
   """(decoder inputs [BOS, tokens[:, :-1]], encoder output, the target's features) of
   teacher-forcing `tokens`."""
   dec_in = np.concatenate([np.zeros((tokens.shape[0], 1), np.int32), tokens[:, :-1]], axis=1)
-  encoded, feats, _ = train_eagle.target_features(target, tp, enc, dec_in)
+  encoded, feats, _ = train_heads.target_features(target, tp, enc, dec_in)
   return dec_in, encoded, feats
 
 
 def test_outputs_are_ragged_and_end_with_eos():
-  *_, ar_tokens, ar_lengths, _ = _setup()
+  *_, ar_tokens, ar_lengths, _ = tiny_target_and_split()
   assert len(set(ar_lengths.tolist())) > 1
   ended = [r for r in range(N) if ar_lengths[r] < L]
   assert ended and all(ar_tokens[r, ar_lengths[r] - 1] == t5.EOS_ID for r in ended)
 
 
+@pytest.mark.slow
 def test_training_loss_decreases():
   *_, result = _setup()
   losses = [h["loss"] for h in result.history]
@@ -112,6 +118,7 @@ def _random_head(target):
   return head, head.init(jax.random.PRNGKey(5))
 
 
+@pytest.mark.slow
 def test_sequence_law_is_exact_at_temperature_1():
   fit, result = ex.head_law_fit(_speculative(gamma=2), _random_head, "eagle t5 T=1")
   assert fit.p_value > ex.P_REJECT
@@ -168,6 +175,7 @@ def test_target_features_come_from_the_verify_call_alone():
   assert checked >= int(np.sum(lengths))  # every committed position was seen at least once
 
 
+@pytest.mark.slow
 def test_training_time_test_matches_drafting():
   """Unroll step 1 = the head's teacher-forced forward; unroll step 2 at query i = the
   head drafting one token ahead from a cache holding the true pairs 0 .. i."""
@@ -187,33 +195,34 @@ def test_training_time_test_matches_drafting():
     np.testing.assert_allclose(step2[:, i], pred[:, 0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_resumes_from_its_workdir(tmp_path):
   target, tp, *_ = _setup()
-  split = train_data.TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (8, 1)))
+  split = TokenizedSplit(((3, 4, 1), (5, 1)), ((6, 7, 1), (7, 1)))  # ids < V
   cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=2, num_steps=2, input_length=4,
                                      target_length=4, workdir=str(tmp_path / "w"),
                                      export_path=str(tmp_path / "head"))
   kw = dict(train_split=split, eval_split=split, target=target, target_params=tp)
-  train_eagle.train_head(cfg, report=lambda s: None, **kw)
+  train_eagle.train(cfg, report=lambda s: None, **kw)
   messages = []
   more = dataclasses.replace(cfg, num_steps=3, export_path=str(tmp_path / "head3"))
-  resumed = train_eagle.train_head(more, report=messages.append, **kw)
+  resumed = train_eagle.train(more, report=messages.append, **kw)
   assert any("resumed from step 2" in m for m in messages)
-  head, params = eagle.load(str(tmp_path / "head3"))
+  head, params = head_checkpoints.load(str(tmp_path / "head3"), kind="eagle")
   assert head == resumed.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(resumed.params))
 
 
 def test_checkpoint_round_trip(tmp_path):
   *_, result = _setup()
-  eagle.save(str(tmp_path / "h"), result.head, result.params, step=7)
-  head, params = eagle.load(str(tmp_path / "h"))
+  head_checkpoints.save(str(tmp_path / "h"), result.head, result.params, step=7)
+  head, params = head_checkpoints.load(str(tmp_path / "h"), kind="eagle")
   assert head == result.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(result.params))
-  half, hparams = eagle.load(str(tmp_path / "h"), dtype="bfloat16")
+  half, hparams = head_checkpoints.load(str(tmp_path / "h"), kind="eagle", dtype="bfloat16")
   assert half.config.dtype == jnp.bfloat16 and hparams["fc"]["kernel"].dtype == jnp.bfloat16
   with pytest.raises(ValueError, match="not an EAGLE head"):
-    eagle.load("demo_models/ende_target")
+    head_checkpoints.load("demo_models/ende_target", kind="eagle")
   with pytest.raises(ValueError, match="do not match"):
     head.check_params({"fc": {"kernel": np.zeros((2, 2))}})
 
@@ -261,9 +270,8 @@ def test_empty_proposal_is_a_plain_step():
 def test_eagle_is_registered_and_gin_configurable():
   import gin
 
-  from spec_decode import main
   assert decoding.registry.get("drafter", "eagle") == EagleDrafter()
-  main.register_gin()
+  gin_layer.register_gin()
   gin.clear_config()
   gin.parse_config("eagle/Speculative.drafter = @EagleDrafter()\neagle/Speculative.gamma = 5")
   with gin.config_scope("eagle"):
@@ -272,31 +280,11 @@ def test_eagle_is_registered_and_gin_configurable():
   assert algo == _speculative(gamma=5)
 
 
-def test_drafting_decoder_is_the_drafting_step(tmp_path):
-  """The Decoder view used to time a head (c): one call of T tokens equals T calls of
-  one, and its logits are the target's LM head on the head's predictions."""
-  from spec_decode import model_specs
-  target, tp, enc, ar_tokens, _, result = _setup()
-  eagle.save(str(tmp_path / "h"), result.head, result.params)
-  head, hp = model_specs.load(model_specs.ModelSpec(kind="eagle", checkpoint=str(tmp_path / "h")),
-                              model_specs.LoadContext("draft", vocab_size=V))
-  dec, params = head.drafting_decoder(target, tp, hp)
-  cache = dec.init_cache(params, dec.encode(params, enc), L)
-  x = ar_tokens[:, :4]
-  whole = dec.decode(params, cache, x)
-  for t in range(4):
-    out = dec.decode(params, cache, x[:, t:t + 1])
-    np.testing.assert_allclose(out.logits[:, 0], whole.logits[:, t], atol=1e-5)
-    cache = out.cache
-  np.testing.assert_allclose(whole.logits, target.logits_from_hidden(tp, whole.hidden), atol=1e-5)
-  assert int(whole.cache.lengths[0]) == 4 and int(whole.cache.rewind(jnp.zeros(N, jnp.int32))
-                                                  .lengths[0]) == 0
-
-
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_head_config_and_shipped_head(task):
   from gin_files import shipped_head
-  _, head, params = shipped_head(task, "eagle", train_eagle.EagleTrainConfig, eagle.load)
+  _, head, params = shipped_head(task, "eagle", train_eagle.EagleTrainConfig,
+                                 head_checkpoints.load)
   head.check_params(params)
 
 
@@ -305,6 +293,7 @@ def _tree_speculative(**tree):
                               verifier=decoding.TreeVerifier())
 
 
+@pytest.mark.slow
 def test_tree_step_equals_the_chain_along_each_path():
   """EagleHead.step on a tree (positions m + depth - 1, ancestor mask): every node's
   prediction equals a chain step over its own path from the same cache."""
@@ -332,6 +321,7 @@ def test_tree_step_equals_the_chain_along_each_path():
     np.testing.assert_allclose(tree[:, i], chain[:, -1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_width_1_tree_is_the_chain_drafter():
   """A one-child-per-node tree grown for gamma rounds is the chain drafter's proposal, so
   the greedy decode (tokens, target calls, acceptances per row) is the chain's: the tree
@@ -359,6 +349,7 @@ def test_tree_greedy_equals_autoregressive_and_accepts_more():
   assert int(np.sum(out.stats.target_calls)) <= int(np.sum(chain.stats.target_calls))
 
 
+@pytest.mark.slow
 def test_tree_sequence_law_is_exact_at_temperature_1():
   algo = _tree_speculative(budget=6, width=2, expand=2, depth=3, steps=3)
   fit, result = ex.head_law_fit(algo, _random_head, "eagle tree t5 T=1")
@@ -377,6 +368,7 @@ class _RecordingTreeDrafter(EagleTreeDrafter):
     return new
 
 
+@pytest.mark.slow
 def test_tree_commit_feeds_the_head_the_accepted_paths_states():
   """After each commit of a wide tree, the head's predicted feature equals its
   teacher-forced prediction on the TRUE target states of the output: the target states

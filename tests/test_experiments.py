@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, costs, demo_quality, heads,
-                         paper_tables, peers, reproduce, results_readme, setups, trees,
-                         verify_scaling)
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, heads, paper_tables,
+                         peers, reproduce, results_readme, setups, trees, verify_scaling)
 from spec_decode import decoding, experiment, theory
+from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
 
@@ -137,10 +137,11 @@ def test_setups_parse_at_every_scale():
       s = setups.experiment_setup(scale, "cnndm", draft, temperature=1,
                                   checkpoints={"cnndm_target": "/ckpt/t", "cnndm_small": "/ckpt/s"})
       cfg = setups.parse_config(s.with_bindings(*setups.row_bindings(gamma=2, lenience=0.5)))
-      assert cfg.gamma == 2 and cfg.lenience == 0.5
+      spec = cfg.decoders["speculative"]
+      assert spec.gamma == 2 and spec.lenience == 0.5 and cfg.gamma_choice is None
       assert cfg.draft.kind == ("ngram" if draft == "bigram" else "t5")
       if scale == "paper":
-        assert cfg.target.checkpoint == "/ckpt/t" and cfg.temperature == 1.0
+        assert cfg.target.checkpoint == "/ckpt/t" and cfg.sampling.temperature == 1.0
         assert not s.missing
       if scale == "demo":
         assert cfg.task == "synthetic_cnndm" and cfg.feature_lengths["inputs"] == 320
@@ -164,7 +165,7 @@ def test_demo_lengths_match_the_demo_configs():
     prefix = task.upper()
     assert re.search(rf"^{prefix}_INPUT_LENGTH = {inputs}$", text, re.M)
     assert re.search(rf"^{prefix}_TARGET_LENGTH = {targets}$", text, re.M)
-    run = open(os.path.join(setups.REPO_ROOT, "configs", "demo", f"{task}_experiment.gin")).read()
+    run = open(os.path.join(setups.REPO_ROOT, "configs", "demo", f"{task}_run.gin")).read()
     assert re.search(rf"^INPUT_LENGTH = {inputs}$", run, re.M)
     assert re.search(rf"^TARGET_LENGTH = {targets}$", run, re.M)
 
@@ -184,9 +185,11 @@ def test_reproduce_table1_is_the_theory(out):
     np.testing.assert_allclose(row["sim_speed"], row["speed"], rtol=0.02)  # 200k steps
 
 
+@pytest.mark.slow
 def test_reproduce_tables_2_to_5_tiny(out):
   paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
-                          "--rows", "ende_small_t1,ende_small,small", "--repeats", "2",
+                          "--rows", "ende_small_t1,ende_small,small",
+                          "--step_timing_repeats", "2",
                           "--results_dir", out["results"], "--runs_dir", out["runs"],
                           "--fail_fast"])
   t2, t3, t4, t5 = (_json(paths[t]["json"])["rows"] for t in (2, 3, 4, 5))
@@ -201,7 +204,7 @@ def test_reproduce_tables_2_to_5_tiny(out):
   assert len(ran) == 1 and 0.0 <= ran[0]["alpha"] <= 1.0 and ran[0]["speed"] > 0
   assert all("not run" in r["note"] for r in t2 if r is not ran[0])
   run4 = next(r for r in t4 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1))
-  assert run4["c"] > 0 and run4["c_run"] > 0  # in-loop c, and the run's own
+  assert run4["c"] == run4["c_run"] > 0  # the run's own c (in-loop, interleaved)
   np.testing.assert_allclose(run4["predicted"],
                              theory.walltime_improvement(run4["alpha"], 7, run4["c"]),
                              rtol=1e-6)
@@ -230,6 +233,7 @@ _TINY_MODELS = ["--target", "t5_1_1_tiny", "--draft", "t5_1_1_tiny", "--vocab_si
 # The drivers below decode with the tiny scale's shapes and settings where they can (gamma 7,
 # temperature 1, 24 input / 10 output tokens, batch 1), so they reuse the programs the
 # reproduce test compiled: only the shapes they add (step calls, batch 2) compile anew.
+@pytest.mark.slow
 def test_benchmark_tiny(out):
   paths = benchmark.main(_TINY_MODELS + [
       "--gammas", "1,2,7", "--gamma", "7", "--temperature", "1", "--repeats", "2", "--inner",
@@ -240,14 +244,15 @@ def test_benchmark_tiny(out):
   assert [r[0] for r in rows] == ["1", "2", "7"]
   doc = _json(paths["json"])
   s = doc["summary"]
-  assert s["c"]["median"] > 0 and s["target_step"]["n"] == 2 and s["marginal_step_costs"]
+  assert s["c"] > 0 and s["target_step"]["n"] == 2 and s["marginal_step_costs"]
+  assert s["c_rounds"]["n"] == 2
   for k in ("autoregressive", "speculative"):
     assert s["e2e"][k]["tokens_per_second"] > 0 and s["e2e"][k]["iterations"] > 0
   assert 0.0 <= s["e2e"]["alpha"] <= 1.0
   assert s["roofline"]["bytes_per_step"] > 0 and s["roofline"]["roofline_fraction"] > 0
   g7 = doc["rows"][2]
   np.testing.assert_allclose(g7["thm38"], theory.walltime_improvement(
-      s["e2e"]["alpha"], 7, s["c"]["median"]), rtol=1e-6)
+      s["e2e"]["alpha"], 7, s["c"]), rtol=1e-6)
   text = open(paths["md"]).read()
   assert "T_p (target step)" in text and "memory roofline" in text and "engine split" in text
 
@@ -255,33 +260,34 @@ def test_benchmark_tiny(out):
 def test_call_fit_separates_fixed_and_per_iteration_costs():
   iterations = np.array([3, 5, 5, 8, 12])
   seconds = 0.004 + 0.0006 * iterations + np.array([1, -1, 1, -1, 0]) * 1e-5
-  fit = costs.fixed_and_per_iteration(seconds, iterations)
+  fit = measure.fixed_and_per_iteration(seconds, iterations)
   np.testing.assert_allclose([fit["fixed"], fit["per_iteration"]], [0.004, 0.0006], rtol=0.02)
   assert fit["calls"] == 5 and 0 < fit["residual_rms"] < 2e-5
-  assert costs.fixed_and_per_iteration([0.1, 0.2], [4, 4]) is None  # one iteration count
+  assert measure.fixed_and_per_iteration([0.1, 0.2], [4, 4]) is None  # one iteration count
   with pytest.raises(ValueError, match="equal-length"):
-    costs.fixed_and_per_iteration([0.1, 0.2], [4])
+    measure.fixed_and_per_iteration([0.1, 0.2], [4])
 
 
 def test_model_work_speedup_charges_setup_per_call():
   # Two calls: autoregressive 2 ms set-up + 10 steps of 1 ms each; speculative 2 + 0.5 ms
   # set-up + 3 iterations of 2 ms each.
-  got = costs.model_work_speedup(target_setup=[0.002, 0.002], draft_setup=[0.0005, 0.0005],
+  got = measure.model_work_speedup(target_setup=[0.002, 0.002], draft_setup=[0.0005, 0.0005],
                                  target_step=0.001, ar_iterations=[10, 10],
                                  spec_iteration=0.002, spec_iterations=[3, 3])
   np.testing.assert_allclose(got, (0.004 + 0.020) / (0.005 + 0.012))
   # No set-up: the loops' ratio alone.
-  np.testing.assert_allclose(costs.model_work_speedup(
+  np.testing.assert_allclose(measure.model_work_speedup(
       target_setup=[0.0], draft_setup=[0.0], target_step=0.001, ar_iterations=[12],
       spec_iteration=0.002, spec_iterations=[3]), 2.0)
   with pytest.raises(ValueError, match="one length"):
-    costs.model_work_speedup(target_setup=[0.1], draft_setup=[0.1, 0.1], target_step=1.0,
+    measure.model_work_speedup(target_setup=[0.1], draft_setup=[0.1, 0.1], target_step=1.0,
                              ar_iterations=[1], spec_iteration=1.0, spec_iterations=[1])
   with pytest.raises(ValueError, match="positive"):
-    costs.model_work_speedup(target_setup=[0.1], draft_setup=[0.1], target_step=0.0,
+    measure.model_work_speedup(target_setup=[0.1], draft_setup=[0.1], target_step=0.0,
                              ar_iterations=[1], spec_iteration=1.0, spec_iterations=[1])
 
 
+@pytest.mark.slow
 def test_peers_tiny(out):
   pytest.importorskip("transformers")
   paths = peers.main(_TINY_MODELS + [
@@ -302,6 +308,7 @@ def test_peers_tiny(out):
     peers.parse_args(["--target", "t5_1_1_tiny"])
 
 
+@pytest.mark.slow
 def test_heads_on_the_demo_pair(out):
   paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
                       "--repeats", "1", "--timing_repeats", "2", "--results_dir",
@@ -318,6 +325,7 @@ def test_heads_on_the_demo_pair(out):
     heads.parse_args(["--tasks", "wmt"])
 
 
+@pytest.mark.slow
 def test_ablate_tiny(out, monkeypatch):
   # Executables released after every variant and gamma (a full sweep would run out of
   # memory maps otherwise): the next ones compile again and measure the same decisions.
@@ -346,6 +354,7 @@ def test_ablate_tiny(out, monkeypatch):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_batch_scaling_tiny(out):
   paths = batch_scaling.main(["--scale", "tiny", "--batch_sizes", "1,2", "--num_examples", "2",
                               "--gamma", "7", "--temperature", "1", "--repeats", "2",
@@ -363,22 +372,26 @@ def test_batch_scaling_tiny(out):
   assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_batch_scaling_with_chosen_gamma_and_compaction(out):
   paths = batch_scaling.main([
       "--scale", "tiny", "--batch_sizes", "2", "--num_examples", "2", "--gamma", "auto",
       "--compact_batch", "--temperature", "1", "--repeats", "2", "--inner", "1",
-      "--gin_bindings", "ExperimentConfig.max_gamma = 3", "--gin_bindings",
-      "ExperimentConfig.gamma_warmup_examples = 2", "--no_plots",
+      "--gin_bindings", "GammaChoice.max_gamma = 3", "--gin_bindings",
+      "GammaChoice.warmup_examples = 2", "--no_plots",
       "--results_dir", out["results"], "--runs_dir", out["runs"]])
   assert paths["md"].endswith("batch_scaling_ende_compact.md")
   (row,) = _json(paths["json"])["rows"]
   run_dir = os.path.join(out["runs"], "tiny", "ende_small_t1_gauto_b2_compact")
   choice = _json(os.path.join(run_dir, "gamma.json"))
   assert row["gamma"] == choice["gamma"] == choice["cost_model"]["gamma"]
-  assert _json(os.path.join(run_dir, "results.json"))["experiment"]["compact_batch"] is True
+  experiment_json = _json(os.path.join(run_dir, "results.json"))["experiment"]
+  assert experiment_json["baseline"]["compact_batch"] is True
+  assert experiment_json["decoders"]["speculative"]["compact_batch"] is True
   assert "shrink their batch" in open(paths["md"]).read()
 
 
+@pytest.mark.slow
 def test_trees_tiny(out):
   paths = trees.main(["--scale", "tiny", "--tasks", "ende", "--temperatures", "1",
                       "--budgets", "2,4", "--num_examples", "2", "--max_tokens", "8",
@@ -404,6 +417,7 @@ def test_trees_tiny(out):
   assert sum(r["chosen"] for r in res["rows"][1:]) == (choice["budget"] != 3)
 
 
+@pytest.mark.slow
 def test_verify_scaling_tiny(out):
   paths = verify_scaling.main(["--models", "t5_1_1_tiny", "--tokens", "3", "--repeats", "1",
                                "--compare_xla_dots", "--results_dir", out["results"]])
@@ -416,6 +430,7 @@ def test_verify_scaling_tiny(out):
     verify_scaling.main(["--models", "", "--results_dir", out["results"]])
 
 
+@pytest.mark.slow
 def test_results_readme(out):
   path = results_readme.main(["--results_dir", out["results"]])
   text = open(path).read()
@@ -430,6 +445,7 @@ def test_results_readme(out):
 
 
 # ------------------------------------------------------------------ demo quality
+@pytest.mark.slow
 def test_demo_quality_scores_the_shipped_models(out, tmp_path):
   """Two EnDe examples, two shipped models (a copied demo dir), the reference rows."""
   import shutil

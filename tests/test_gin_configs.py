@@ -6,10 +6,15 @@ import os
 import gin
 import pytest
 
-from spec_decode import data, experiment, main, model_specs
+from spec_decode import data, experiment, paths
+from spec_decode.cli import gin as gin_layer
+from spec_decode.experiment import model_specs
 
-ROOT = main.REPO_ROOT
-ALL_GIN = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/**/*.gin", recursive=True))
+ROOT = paths.REPO_ROOT
+# Every config of the repository (experiments/results/*/config.gin are run outputs: the
+# operative config an earlier version recorded, not configs to run).
+ALL_GIN = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/**/*.gin", recursive=True)
+                 if not os.path.relpath(p, ROOT).startswith("experiments/results/"))
 # Values for the macros a user must fill in (checkpoint paths).
 REQUIRED = ["CHECKPOINT_PATH = '/ckpt/target'", "DRAFT_CHECKPOINT_PATH = '/ckpt/draft'"]
 # A complete experiment that a building block from gin/<kind>/ replaces one part of.
@@ -19,42 +24,27 @@ BASE = {"runs": "gin/runs/benchmark.gin", "tasks": "gin/tasks/toy_reverse.gin",
 
 @pytest.fixture(autouse=True)
 def clean_gin():
-  main.register_gin()
+  gin_layer.register_gin()
   gin.clear_config()
   yield
   gin.clear_config()
 
 
-def _bound(cls) -> bool:
-  """Whether the parsed config binds parameters of `cls` (gin keys: (scope, selector))."""
-  selector = f"{cls.__module__}.{cls.__name__}"
-  return any(sel == selector for _, sel in gin.config._CONFIG)
-
-
 def _build():
-  """Builds each configured top-level object (ExperimentConfig, TrainConfig, the head
-  training configs); returns the first."""
-  from spec_decode import train
-  from spec_decode.heads import train_eagle
+  """Builds each configured top-level object (ExperimentConfig, and every training config:
+  TrainConfig and the head training configs); returns the first."""
+  from spec_decode import configurable
   built = []
-  if _bound(experiment.ExperimentConfig):
+  if gin_layer.bound(experiment.ExperimentConfig):
     cfg = gin.get_configurable(experiment.ExperimentConfig)()
     assert isinstance(cfg.target, model_specs.ModelSpec)
     assert isinstance(cfg.draft, model_specs.ModelSpec)
     assert cfg.task in data.task_names()
     built.append(cfg)
-  if _bound(train.TrainConfig):
-    built.append(gin.get_configurable(train.TrainConfig)())
-  from spec_decode.heads import medusa
-  if _bound(medusa.TrainConfig):
-    built.append(gin.get_configurable(medusa.TrainConfig)())
-  if _bound(train_eagle.EagleTrainConfig):
-    built.append(gin.get_configurable(train_eagle.EagleTrainConfig)())
-  from spec_decode.heads import train_mtp
-  if _bound(train_mtp.MtpTrainConfig):
-    built.append(gin.get_configurable(train_mtp.MtpTrainConfig)())
-  assert built, "the file configures no ExperimentConfig or training config"
-  return built[0]
+  for cls in configurable.runnable().values():
+    if gin_layer.bound(cls):
+      built.append(gin.get_configurable(cls)())
+  return built[0] if built else None
 
 
 def test_found_the_gin_files():
@@ -77,6 +67,9 @@ def test_gin_file_parses_and_builds(path):
   bindings = REQUIRED + ([] if path.startswith("configs/") else ["VOCAB_SIZE = 259"])
   gin.parse_config_files_and_bindings([os.path.join(ROOT, f) for f in files], bindings)
   cfg = _build()
+  if cfg is None:  # shared settings only: some config must include the file
+    including = [p for p in ALL_GIN if f"include '{path}'" in open(os.path.join(ROOT, p)).read()]
+    assert including, f"{path} configures no ExperimentConfig or training config"
   if isinstance(cfg, experiment.ExperimentConfig) and parts[1] in ("models", "drafts"):
     spec = cfg.target if parts[1] == "models" else cfg.draft
     name = os.path.splitext(parts[2])[0]
@@ -99,8 +92,10 @@ def test_paper_table2_configs(row):
       ["CHECKPOINT_PATH = 'gs://b/xxl'", "DRAFT_CHECKPOINT_PATH = 'gs://b/draft'"])
   cfg = _build()
   assert cfg.task == {"ende": "wmt_t2t_ende_v003", "cnndm": "cnn_dailymail_v002"}[task]
-  assert cfg.gamma == TABLE2[row] and cfg.temperature == float(temp)
-  assert cfg.batch_size == 1 and cfg.run_baseline
+  assert list(cfg.decoders) == ["speculative"] and cfg.gamma_choice is None
+  assert cfg.decoders["speculative"].gamma == TABLE2[row]
+  assert cfg.sampling.temperature == float(temp)
+  assert cfg.batch_size == 1 and cfg.baseline is not None
   assert cfg.target.preset == "t5_1_1_xxl" and cfg.target.checkpoint == "gs://b/xxl"
   assert cfg.draft.preset == f"t5_1_1_{size}" and cfg.draft.checkpoint == "gs://b/draft"
 
@@ -112,6 +107,6 @@ def test_checkpoint_macros_are_required():
 
 
 def test_toy_config_is_tiny_and_offline():
-  cfg = main.parse_config(["configs/toy_random.gin"], [])
+  cfg = gin_layer.parse_experiment(["configs/toy_random.gin"], [])
   assert cfg.task == "toy_reverse" and cfg.target.checkpoint is None
   assert cfg.target.preset == "t5_1_1_mini" and cfg.draft.preset == "t5_1_1_tiny"

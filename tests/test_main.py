@@ -11,9 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from spec_decode import checkpoints, experiment, main, model_specs, results, theory
+from spec_decode import checkpoints, decoding, experiment, paths, theory
+from spec_decode.cli import gin as gin_layer
+from spec_decode.cli import main
+from spec_decode.experiment import model_specs
+from spec_decode.experiment import results
 
-ROOT = main.REPO_ROOT
+ROOT = paths.REPO_ROOT
 # Every run here shares these shapes (batch 2, default.gin's lengths), so jit caches are reused.
 SMALL = ["BATCH_SIZE = 2", "ExperimentConfig.step_timing_repeats = 2"]
 TOY = "configs/toy_random.gin"  # tiny random models on the offline toy_reverse task
@@ -28,6 +32,7 @@ def _tokens_by_index(out):
   return {r["index"]: r["decoders"]["speculative"]["tokens"] for r in _rows(out)}
 
 
+@pytest.mark.slow
 def test_import_main_does_not_import_tensorflow():
   code = ("import sys, spec_decode.main, spec_decode.experiment, spec_decode.data; "
           "assert 'tensorflow' not in sys.modules and 'seqio' not in sys.modules")
@@ -35,7 +40,8 @@ def test_import_main_does_not_import_tensorflow():
 
 
 def test_rewrite_gin_args():
-  assert main.rewrite_gin_args(["prog", "--gin.GAMMA=3", "--gin.X='a=b'", "--output_dir=o"]) == [
+  assert gin_layer.rewrite_gin_args(["prog", "--gin.GAMMA=3", "--gin.X='a=b'",
+                                    "--output_dir=o"]) == [
       "prog", "--gin_bindings=GAMMA = 3", "--gin_bindings=X = 'a=b'", "--output_dir=o"]
 
 
@@ -46,6 +52,7 @@ def greedy_run(tmp_path_factory):
   return out, summary
 
 
+@pytest.mark.slow
 def test_end_to_end_outputs(greedy_run):
   out, summary = greedy_run
   for name in ("predictions.jsonl", "config.json", "progress.json", "results.json",
@@ -69,7 +76,7 @@ def test_end_to_end_outputs(greedy_run):
   text = main.format_summary(dict(summary, output_dir=out))
   assert f"files: {out}/" in text and "X: autoregressive / speculative decode time" in text
   assert "c " in text and "draft / target time of one single-token decode step" in text
-  gamma = summary["experiment"]["gamma"]
+  gamma = summary["experiment"]["decoders"]["speculative"]["gamma"]
   assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
   # Greedy: speculative output equals the autoregressive one, row by row.
   ar = [r["decoders"]["autoregressive"] for r in rows]
@@ -124,6 +131,7 @@ def test_end_to_end_outputs(greedy_run):
                       f"{summary['speedup_measured']:.2f} |")
 
 
+@pytest.mark.slow
 def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
   out, summary = greedy_run
   before = open(os.path.join(out, "predictions.jsonl")).read()
@@ -141,6 +149,7 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
     main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 
 
+@pytest.mark.slow
 def test_resume_after_kill(tmp_path, greedy_run):
   out = str(tmp_path / "killed")
   # Slow batches (40 timed runs each) so the kill lands mid-way.
@@ -180,13 +189,15 @@ def test_resume_after_kill(tmp_path, greedy_run):
   assert all(_tokens_by_index(out)[i] == reference[i] for i in reference)
 
 
+@pytest.mark.slow
 def test_sampled_resume_is_exact(tmp_path):
   """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
   bindings = SMALL + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]
   full = str(tmp_path / "full")
   summary = main.run([TOY], bindings, full, show_progress=False)
-  assert len(summary["per_position_acceptance"]) == summary["experiment"]["gamma"]
-  config = main.parse_config([TOY], bindings)
+  assert len(summary["per_position_acceptance"]) == \
+      summary["experiment"]["decoders"]["speculative"]["gamma"]
+  config = gin_layer.parse_experiment([TOY], bindings)
   part = str(tmp_path / "part")
 
   def interrupt(b):
@@ -207,8 +218,7 @@ def test_sampled_resume_is_exact(tmp_path):
 
 def test_errors_are_clear(tmp_path):
   out = str(tmp_path / "err")
-  with pytest.raises(ValueError,
-                     match=r"gamma must be an int >= 1 or None \(chosen automatically\), got 0"):
+  with pytest.raises(ValueError, match=r"gamma must be an int >= 1, got 0"):
     main.run([TOY], SMALL + ["GAMMA = 0"], out, show_progress=False)
   with pytest.raises(ValueError, match="unknown task 'no_such_task'; known tasks: .*toy_reverse"):
     main.run([TOY], SMALL + ["MIXTURE_OR_TASK_NAME = 'no_such_task'"], out, show_progress=False)
@@ -223,6 +233,7 @@ def test_errors_are_clear(tmp_path):
   assert not os.path.exists(os.path.join(out, "config.json"))  # failed runs leave no state
 
 
+@pytest.mark.slow
 def test_cli_reports_missing_checkpoint(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "spec_decode.main", f"--output_dir={tmp_path}", f"--gin_file={TOY}",
@@ -260,10 +271,17 @@ def test_model_specs_load_checkpoints_and_ngrams(tmp_path):
     model_specs.load(model_specs.ModelSpec(kind="tree"), model_specs.LoadContext("draft"))
   with pytest.raises(ValueError, match="unknown T5 preset"):
     model_specs.ModelSpec(preset="t5_1_1_huge")
-  with pytest.raises(ValueError, match="gamma must be"):
-    experiment.ExperimentConfig(target=spec, draft=spec, task="toy_reverse", gamma=0)
+  with pytest.raises(ValueError, match="no decoders and no baseline"):
+    experiment.ExperimentConfig(target=spec, draft=None, task="toy_reverse", decoders={},
+                                baseline=None)
+  with pytest.raises(ValueError, match="draft is set but no decoder drafts"):
+    experiment.ExperimentConfig(target=spec, draft=spec, task="toy_reverse", decoders={})
+  with pytest.raises(ValueError, match=r"decoders \['s'\] need a draft model"):
+    experiment.ExperimentConfig(target=spec, draft=None, task="toy_reverse",
+                                decoders={"s": decoding.Speculative()})
 
 
+@pytest.mark.slow
 def test_checkpoint_retrained_in_place_is_not_resumed(tmp_path):
   """Same config, same checkpoint path, different weights: refuse to mix predictions."""
   model, params = model_specs.load(model_specs.ModelSpec(preset="t5_1_1_mini", seed=0,
@@ -288,6 +306,7 @@ def test_checkpoint_retrained_in_place_is_not_resumed(tmp_path):
     main.run([TOY], SMALL + ckpt, out, show_progress=False)
 
 
+@pytest.mark.slow
 def test_mesh_run_matches_unsharded(tmp_path, greedy_run):
   out = str(tmp_path / "mesh")
   main.run([TOY], SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.mesh = 'data=2,model=2'"], out,
@@ -329,30 +348,32 @@ def _wait(procs, what):
   return logs
 
 
+@pytest.mark.slow
 def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_gamma(tmp_path):
   """main over 2 local processes (gloo on 127.0.0.1, 2 CPU devices each, data=2,model=2 mesh)
-  with GAMMA = None: the warm-up decodes run collectively, each process feeds its half of
-  every batch, process 0 gathers and writes, and the predictions equal a one-process run's
+  with the gamma chosen from warm-up measurements: the warm-up decodes run collectively,
+  each process feeds its half of every batch, process 0 gathers and writes, and the
+  predictions equal a one-process run's
   at the chosen gamma. A multi-process rerun of the finished directory reuses process 0's
   recorded choice on every process (before that fix only process 0 read gamma.json while
   the others started the collective warm-up decodes, and the run hung)."""
   flags = [f"--gin_file={TOY}", "--noprogress", "--gin.NUM_EXAMPLES=4", "--gin.BATCH_SIZE=2",
            "--gin.ExperimentConfig.step_timing_repeats=1", "--gin.TEMPERATURE=1.0",
-           "--gin.ExperimentConfig.gamma_warmup_examples=2",
+           "--gin.GammaChoice.warmup_examples=2",
            # Thm 3.8's rule: the cost model's extra verify timers are covered on one process
-           "--gin.ExperimentConfig.gamma_rule='thm_3_8'",
+           "--gin.GammaChoice.rule='thm_3_8'",
            "--gin.ExperimentConfig.mesh='data=2,model=2'"]
   fast = "--xla_backend_optimization_level=0"  # as conftest.py: compile time rules here
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {fast}")
   multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-  logs = _wait(_launch(flags + ["--gin.GAMMA=None", f"--output_dir={multi}"], env,
-                       processes=2), "multi")
+  choose = "--gin.ExperimentConfig.gamma_choice=@GammaChoice()"
+  logs = _wait(_launch(flags + [choose, f"--output_dir={multi}"], env, processes=2), "multi")
   assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
   with open(os.path.join(multi, experiment.GAMMA_FILE)) as f:
     gamma = json.load(f)["gamma"]
   env1 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {fast}")
-  procs = _launch(flags + ["--gin.GAMMA=None", f"--output_dir={multi}"], env, processes=2)
+  procs = _launch(flags + [choose, f"--output_dir={multi}"], env, processes=2)
   procs += _launch(flags + [f"--gin.GAMMA={gamma}", f"--output_dir={single}"], env1,
                    processes=1)
   _wait(procs, "resume and single")
@@ -368,10 +389,11 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
         assert g["decoders"][name][k] == w["decoders"][name][k], (name, k)
 
 
+@pytest.mark.slow
 def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   out = str(tmp_path / "auto")
-  bindings = SMALL + ["NUM_EXAMPLES = 4", "GAMMA = None",
-                      "ExperimentConfig.gamma_warmup_examples = 2"]
+  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2"]
+  bindings = SMALL + ["NUM_EXAMPLES = 4"] + choose
   summary = main.run([TOY], bindings, out, show_progress=False)
   choice = summary["gamma_selection"]
   with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
@@ -386,7 +408,7 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert choice["thm_3_8"]["gamma"] == theory.optimal_gamma(choice["alpha"], choice["c"],
                                                             max_gamma=10)
   assert 0.0 <= choice["alpha"] <= 1.0 and choice["c"] > 0 and choice["warmup_examples"] == 2
-  assert summary["experiment"]["gamma"] == choice["gamma"]
+  assert summary["experiment"]["decoders"]["speculative"]["gamma"] == choice["gamma"]
   assert all(len(r["decoders"]["speculative"]["stats"]["decided_at"]) == choice["gamma"]
              for r in _rows(out))
   assert (f"gamma {choice['gamma']} was chosen by theory.optimal_gamma"
@@ -395,13 +417,13 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   # alpha below could not come out of a measurement).
   with open(os.path.join(out, experiment.GAMMA_FILE), "w") as f:
     json.dump(dict(choice, alpha=0.123456), f)
-  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = None",
-                                   "ExperimentConfig.gamma_warmup_examples = 2"], out,
-                   show_progress=False)
+  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"] + choose, out, show_progress=False)
   assert again["gamma_selection"] == dict(choice, alpha=0.123456)
-  assert again["experiment"]["gamma"] == choice["gamma"] and again["completed"] == 6
+  assert again["experiment"]["decoders"]["speculative"]["gamma"] == choice["gamma"]
+  assert again["completed"] == 6
 
 
+@pytest.mark.slow
 def test_named_decoders_from_gin(tmp_path):
   """Any number of named decoders from gin: each gets its tokens, stats, speedup, identity."""
   out = str(tmp_path / "named")
@@ -424,6 +446,7 @@ def test_named_decoders_from_gin(tmp_path):
   assert set(summary["timing"]["verify_ratio_by_tokens"]) == {"3", "4"}
 
 
+@pytest.mark.slow
 def test_baseline_only_experiment_has_no_cost_model(tmp_path):
   out = str(tmp_path / "ar_only")
   bindings = SMALL + ["NUM_EXAMPLES = 2", "ExperimentConfig.draft = None",

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_decode import decoding, memory, partitioning
+from spec_decode import decoding, partitioning
+from spec_decode.experiment import memory
 from spec_decode.models import t5
 
 
@@ -25,15 +26,17 @@ def _params_bytes(config, mesh, rules):
                                   partitioning.param_shardings(model, mesh, rules))
 
 
+@pytest.mark.slow
 def test_xxl_small_command(tmp_path):
   out = tmp_path / "plan.json"
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
   env.pop("XLA_FLAGS", None)  # the command re-executes itself with 8 CPU devices
   proc = subprocess.run(
-      [sys.executable, "-m", "spec_decode.memory", "--target=t5_1_1_xxl", "--draft=t5_1_1_small",
-       "--mesh=data=1,model=8", "--batch=1", "--input_len=512", "--output_len=256", "--gamma=7",
-       "--dtype=bfloat16", "--depth=1", f"--json_out={out}"],
+      [sys.executable, "-m", "spec_decode.cli.memory", "--target=t5_1_1_xxl",
+       "--draft=t5_1_1_small", "--mesh=data=1,model=8", "--batch=1", "--input_len=512",
+       "--output_len=256", "--gamma=7", "--dtype=bfloat16", "--depth=1",
+       f"--json_out={out}"],
       env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "| mesh | batch | target params |" in proc.stdout

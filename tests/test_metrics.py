@@ -6,7 +6,8 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer, scoring
 
-from spec_decode import metrics, timing
+from spec_decode import metrics
+from spec_decode.decoding import timing
 from spec_decode.models import ngram, t5
 
 REFS = ["the cat sat on the mat .", "a dog runs in the park . it is happy .",

@@ -22,9 +22,12 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.decoding.drafters.mtp import MtpDrafter
-from spec_decode.heads import mtp, train_mtp
+from spec_decode.heads import mtp
+from spec_decode.train import mtp as train_mtp
 from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
 
@@ -43,11 +46,12 @@ def _setup():
   cfg = train_mtp.MtpTrainConfig(num_modules=D, batch_size=16, num_steps=60, input_length=S,
                                  target_length=L, learning_rate=3e-3, warmup_steps=5,
                                  log_every=10, eval_every=1000, eval_examples=N)
-  result = train_mtp.train_modules(cfg, report=lambda s: None, train_split=split,
+  result = train_mtp.train(cfg, report=lambda s: None, train_split=split,
                                    eval_split=split, target=target, target_params=tp)
   return target, tp, enc, ar_tokens, ar_lengths, result
 
 
+@pytest.mark.slow
 def test_training_loss_decreases():
   *_, result = _setup()
   losses = [h["loss"] for h in result.history]
@@ -56,7 +60,8 @@ def test_training_loss_decreases():
   assert result.head.num_modules == D and set(result.params) == {"mtp_1", "mtp_2", "mtp_3"}
 
 
-@pytest.mark.parametrize("trained,gamma", [(True, D), (True, 2), (False, D)])
+@pytest.mark.parametrize("trained,gamma", tiered([(True, D), (True, 2), (False, D)],
+                                                 fast=((True, D),)))
 def test_greedy_equals_autoregressive(trained, gamma):
   target0, tp, enc, ar_tokens, ar_lengths, result = _setup()
   modules = result.head
@@ -78,6 +83,7 @@ def test_greedy_equals_autoregressive(trained, gamma):
   assert np.all(np.asarray(stats.draft_tokens) == gamma * (np.asarray(stats.target_calls) - 1))
 
 
+@pytest.mark.slow
 def test_sequence_law_is_exact_at_temperature_1():
   def random_modules(target):
     modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
@@ -101,6 +107,7 @@ class _RecordingDrafter(MtpDrafter):
     return proposal, new_state
 
 
+@pytest.mark.slow
 def test_proposals_are_the_teacher_forced_modules():
   """The drafter's caches and feature window reproduce the modules run teacher-forced on
   the whole prefix: q_k = softmax(LM(h^k_{m-1})) on [s_0 .. s_m, x_1 .. x_{k-1}], f from
@@ -145,19 +152,19 @@ def test_proposals_are_the_teacher_forced_modules():
 
 
 def test_checkpoint_round_trip_and_errors(tmp_path):
-  from spec_decode import model_specs
+  from spec_decode.experiment import model_specs
   target, tp, enc, *_, result = _setup()
-  mtp.save(str(tmp_path / "m"), result.head, result.params, step=7)
+  head_checkpoints.save(str(tmp_path / "m"), result.head, result.params, step=7)
   modules, params = model_specs.load(
       model_specs.ModelSpec(kind="mtp", checkpoint=str(tmp_path / "m")),
       model_specs.LoadContext("draft", vocab_size=V))
   assert modules == result.head
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, jax.device_get(result.params))
-  half, hparams = mtp.load(str(tmp_path / "m"), dtype="bfloat16")
+  half, hparams = head_checkpoints.load(str(tmp_path / "m"), kind="mtp", dtype="bfloat16")
   assert half.config.dtype == jnp.bfloat16
   assert hparams["mtp_2"]["fc"]["kernel"].dtype == jnp.bfloat16
   with pytest.raises(ValueError, match="not an MTP module checkpoint"):
-    mtp.load("demo_models/ende_target")
+    head_checkpoints.load("demo_models/ende_target", kind="mtp")
   with pytest.raises(ValueError, match="do not match"):
     modules.check_params({"mtp_1": params["mtp_1"]})
   with pytest.raises(ValueError, match="gamma 4 exceeds the 3 MTP modules"):
@@ -181,19 +188,7 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("task", ["ende", "cnndm"])
 def test_demo_modules_config_and_shipped_modules(task):
   from gin_files import shipped_head
-  cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig, mtp.load)
+  cfg, modules, params = shipped_head(task, "mtp", train_mtp.MtpTrainConfig,
+                                      head_checkpoints.load)
   assert modules.num_modules == cfg.num_modules
   modules.check_params(params)
-
-
-def test_token_seconds_of_the_heads_that_propose_several_tokens():
-  """The per-token draft cost `experiment.measure_step_times` reads from MTP modules and
-  Medusa heads (they have no single-token decode step to time)."""
-  from spec_decode.heads import medusa
-  target, tp, enc, *_, result = _setup()
-  mtp_s = result.head.token_seconds(target, tp, result.params, enc, gamma=2, position=4,
-                                    cache_length=L, repeats=2)
-  heads = medusa.MedusaHeads(medusa.MedusaConfig.for_target(target, num_heads=2))
-  medusa_s = heads.token_seconds(target, tp, heads.init(jax.random.PRNGKey(0)), enc, gamma=2,
-                                 repeats=2)
-  assert mtp_s > 0 and medusa_s > 0

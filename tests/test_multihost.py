@@ -52,6 +52,7 @@ def _finish(procs: list[subprocess.Popen]) -> None:
     assert p.returncode == 0, f"worker exited with {p.returncode}:\n{log[-3000:]}"
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
   port = _free_port()
   multi, single = tmp_path / "two.npz", tmp_path / "one.npz"

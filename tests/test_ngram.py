@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import exactness as ex
 from spec_decode import decoding
 from spec_decode.models import base, ngram, t5, testing
 
@@ -82,7 +83,7 @@ def test_speculative_with_bigram_draft_is_exact():
   enc = np.array([[2, 3, 4]], np.int32)
   s = decoding.Sampling(temperature=1.0)
   # Fit the bigram on target samples.
-  n = 3000
+  n = ex.rows(1 / 10)
   samples = decoding.autoregressive(target, tparams, np.repeat(enc, 256, 0), max_decode_len=4,
                                     sampling=s, rng=jax.random.PRNGKey(1))
   dparams = ngram.fit(testing.sequences(samples), order=2, vocab_size=6, smoothing=0.1)

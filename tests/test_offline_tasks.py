@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from spec_decode import data, main
+from spec_decode import data, paths
 from spec_decode.data import offline
 
 LENGTHS = {"inputs": 24, "targets": 20}  # short enough that some examples are cut
@@ -64,12 +64,13 @@ def test_token_ids_outside_the_vocabulary_are_refused():
 
 def test_default_job_data_path_does_not_import_tensorflow():
   """Loading the default job (task, examples, both models) imports neither seqio nor TF."""
-  code = ("import sys; from spec_decode import main, experiment\n"
-          "cfg = main.parse_config([main.DEFAULT_GIN_FILE], ['NUM_EXAMPLES = 2'])\n"
-          "s = experiment.setup(cfg)\n"
+  code = ("import sys; from spec_decode import experiment\n"
+          "from spec_decode.cli import gin as gin_layer, main\n"
+          "cfg = gin_layer.parse_experiment([main.DEFAULT_GIN_FILE], ['NUM_EXAMPLES = 2'])\n"
+          "s = experiment.load(cfg)\n"
           "assert len(s.examples) == 2 and s.task.name == 'synthetic_ende', s.task\n"
           "bad = sorted(m for m in ('tensorflow', 'seqio') if m in sys.modules)\n"
           "assert not bad, bad\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=main.REPO_ROOT, capture_output=True,
+  proc = subprocess.run([sys.executable, "-c", code], cwd=paths.REPO_ROOT, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spec_decode import checkpoints, decoding, model_specs, partitioning
+from tiers import tiered
+from spec_decode import checkpoints, decoding, partitioning
 from spec_decode.decoding import runner
+from spec_decode.experiment import model_specs
 from spec_decode.models import offload, t5
 
 PRESET = "t5_1_1_tiny"
@@ -126,12 +128,14 @@ def _greedy_tokens() -> np.ndarray:
   return np.asarray(_run(decoding.Autoregressive(), streamed=False).tokens)
 
 
-@pytest.mark.parametrize("algorithm", [decoding.Autoregressive(), _TREE],
-                         ids=["autoregressive", "tree"])
+@pytest.mark.parametrize("algorithm", tiered([decoding.Autoregressive(), _TREE],
+                                              fast=("autoregressive",),
+                                              ids=["autoregressive", "tree"]))
 def test_greedy_decoding_with_a_streamed_target_is_token_identical(algorithm):
   np.testing.assert_array_equal(_run(algorithm, streamed=True).tokens, _greedy_tokens())
 
 
+@pytest.mark.slow
 def test_sampled_speculative_decoding_with_a_streamed_target_is_token_identical():
   kw = dict(sampling=decoding.Sampling(temperature=1.0), rng=jax.random.PRNGKey(7))
   algorithm = decoding.Speculative(gamma=3)

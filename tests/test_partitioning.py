@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tiers import tiered
 from spec_decode import decoding, partitioning
 from spec_decode.models import t5
 
@@ -199,7 +200,7 @@ def _assert_same(got, ref):
 
 @pytest.mark.parametrize("fn", ["autoregressive", "speculative"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("spec", tiered(MESHES, fast=("data=2,model=4",)))
 def test_sharded_equals_unsharded(case, fn, name, spec):
   ref = _reference(fn, name, case)
   mesh = partitioning.make_mesh(spec)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding import registry
 from spec_decode.models import base, t5
@@ -56,7 +57,7 @@ def _models():
           (markov, markov.init(jax.random.PRNGKey(1)), 0.0)]
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["t5", "markov"])
+@pytest.mark.parametrize("which", tiered([0, 1], fast=("markov",), ids=["t5", "markov"]))
 def test_tree_decode_equals_path_decode_and_keep_commits_the_path(which):
   model, params, atol = _models()[which]
   V = model.vocab_size
@@ -128,7 +129,7 @@ class _ChainAsTree(decoding.ChainVerifier):
   chain_only = False
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", tiered([0.0, 1.0], fast=(0.0,)))
 def test_speculative_tree_branch_equals_chain_branch(temperature):
   target = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
   draft = t5.T5(t5.T5Config.preset("t5_1_1_tiny", num_decoder_layers=1))

@@ -20,17 +20,19 @@ import jax
 import numpy as np
 import pytest
 
+import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.models import t5
 from spec_decode.models import testing
 from spec_decode.models.testing import MarkovDecoder
 
-P_REJECT = 1e-3  # chi-square significance: exactness fails, a negative control passes, below it
+P_REJECT = ex.P_REJECT
 SE_BOUND = 4.0  # estimator agreement: |accepted - sum beta| within this many standard errors
 
 # ---------------------------------------------------------------------------- models
-T5_V, T5_L, T5_B = 7, 3, 20_000
-MK_V, MK_L, MK_B = 6, 4, 50_000
+T5_V, T5_L, T5_B = 7, 3, ex.rows(2 / 3)
+MK_V, MK_L, MK_B = 6, 4, ex.rows(5 / 3)
 T5_ENC = np.array([[3, 4, 5, 2, 6, 0, 0], [2, 6, 3, 3, 5, 4, 2]], np.int32)  # one padded
 MK_ENC = np.array([[3, 4, 5, 0], [2, 2, 0, 0], [5, 1, 4, 3]], np.int32)
 
@@ -106,6 +108,7 @@ CASES = {
                                1.0),
 }
 EXACT_CASES = [n for n, c in CASES.items() if c[7] == 1.0]
+FAST = ("mk_far_t1_g1",)  # the fast tier's one chi-square case of the chain verifier
 
 
 def _setup(name):
@@ -144,7 +147,7 @@ def _report(label, fit):
         f"p={fit.p_value:.4g} tv={fit.tv:.4f} impossible={fit.impossible}")
 
 
-@pytest.mark.parametrize("name", EXACT_CASES)
+@pytest.mark.parametrize("name", tiered(EXACT_CASES, FAST))
 def test_exact_sequence_distribution(name):
   s, _, groups, target_laws, _ = _run(name)
   fit = testing.chi_square(groups, target_laws)
@@ -153,6 +156,7 @@ def test_exact_sequence_distribution(name):
   assert fit.p_value >= P_REJECT, fit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5_far_t1_g3", "mk_far_t1_g1", "mk_far_topk3_g5"])
 def test_negative_control_draft_law_is_rejected(name):
   # The same samples against the DRAFT's exact law: the test must see the difference.
@@ -162,6 +166,7 @@ def test_negative_control_draft_law_is_rejected(name):
   assert fit.p_value < P_REJECT, fit
 
 
+@pytest.mark.slow
 def test_negative_control_lenient_is_rejected():
   # Lenience 0.7 on a close draft (acceptance 0.85 -> 0.93) is lossy: rejected.
   _, _, groups, target_laws, _ = _run("mk_close_t0.7_g3_lenient0.7")
@@ -181,6 +186,7 @@ def _assert_rows_equal(big, idx, small, small_idx):
                                   np.asarray(getattr(big.stats, field))[idx])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5_close_t0.7_g5_2inputs", "mk_close_t0.7_g3_3inputs"])
 def test_row_alone_equals_row_in_big_batch(name):
   """Batch 1: a row decoded alone (same row id) equals that row of the big batch."""
@@ -191,6 +197,7 @@ def test_row_alone_equals_row_in_big_batch(name):
     _assert_rows_equal(big, [i], alone, [0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5_close_t0.7_g5_2inputs", "mk_close_t0.7_g3_3inputs"])
 def test_row_independent_of_neighbours(name):
   s, big, _, _, _ = _run(name)
@@ -212,8 +219,8 @@ def _totals(result):
           int(np.sum(st.target_calls)), int(np.sum(st.draft_tokens)))
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("mk_same_t1_g1",
-                                                                 "mk_disjoint_topk3_g3")])
+@pytest.mark.parametrize("name", tiered(
+    [n for n in CASES if n not in ("mk_same_t1_g1", "mk_disjoint_topk3_g3")], FAST))
 def test_alpha_estimator_matches_acceptance_rate(name):
   """sum of beta over decisions vs accepted count: a martingale, so
   Var(accepted - sum beta) = E[sum beta (1 - beta)] <= D a (1 - a) (a = mean beta, Jensen)."""
@@ -229,6 +236,7 @@ def test_alpha_estimator_matches_acceptance_rate(name):
   assert np.all(np.asarray(result.stats.decisions) <= np.asarray(result.stats.draft_tokens))
 
 
+@pytest.mark.slow
 def test_identical_draft_accepts_everything():
   s, result, _, _, _ = _run("mk_same_t1_g1")
   g, st = s["gamma"], result.stats
@@ -241,6 +249,7 @@ def test_identical_draft_accepts_everything():
   assert np.any(calls == 1) and np.any(calls == 2)
 
 
+@pytest.mark.slow
 def test_disjoint_supports_accept_nothing():
   s, result, _, _, _ = _run("mk_disjoint_topk3_g3")
   st, lengths = result.stats, np.asarray(result.lengths)
@@ -252,6 +261,7 @@ def test_disjoint_supports_accept_nothing():
   assert set(np.unique(produced)) == {1, 2, 3}  # exactly the target's support
 
 
+@pytest.mark.slow
 def test_lenience_raises_acceptance_and_is_lossy():
   _, lenient, groups_l, laws, _ = _run("mk_close_t0.7_g3_lenient0.7")
   _, exact, groups_e, laws_e, _ = _run("mk_close_t0.7_g3_exact")
@@ -320,7 +330,7 @@ def _check_greedy_rows(target, tp, enc, rows, got_tokens, got_lengths, ar_tokens
   return near_ties
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("gamma", tiered([1, 2, 3, 4, 5], fast=(3,)))
 def test_greedy_equals_autoregressive_batch8(gamma):
   target, tp, drafts, enc, ar_tokens, ar_lengths = _greedy_setup()
   draft, dp = drafts[gamma]
@@ -336,7 +346,8 @@ def test_greedy_equals_autoregressive_batch8(gamma):
         f"{ties} near-tie mismatches")
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 4])  # batch 1 costs one compile per gamma
+# batch 1 costs one compile per gamma
+@pytest.mark.parametrize("gamma", tiered([1, 2, 4], fast=(1,)))
 def test_greedy_equals_autoregressive_batch1(gamma):
   target, tp, drafts, enc, ar_tokens, ar_lengths = _greedy_setup()
   draft, dp = drafts[gamma]

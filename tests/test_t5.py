@@ -207,7 +207,8 @@ def test_decode_step_moves_no_whole_cache(params, T):
   optimized HLO of a decode step copies or transposes no buffer of a whole layer's K or V
   cache (T5X's [B, L, N, H] made XLA transpose every cache on every call)."""
   import re
-  from spec_decode import compile_options, timing
+  from spec_decode import compile_options
+  from spec_decode.decoding import timing
   c = _TINY.config
   B, L = 3, 24
   cache = _TINY.init_cache(params, _TINY.encode(params, np.full((B, 10), 5)), L)

@@ -4,8 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from spec_decode import checkpoints, losses, train, train_data
+from spec_decode import checkpoints, train
 from spec_decode.models import t5
+from spec_decode.train import data as train_data
+from spec_decode.train import losses
 
 V = 64
 
@@ -78,6 +80,7 @@ def test_batches_are_a_function_of_the_step():
   np.testing.assert_array_equal(b1["weights"], b1["decoder_targets"] > 0)
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_a_tiny_run():
   split, val = _copy_split(400, 0), _copy_split(64, 1)
   for opt in ("adamw", "adafactor"):
@@ -96,6 +99,7 @@ def test_data_outside_the_vocabulary_is_refused():
     train.train(_cfg(), train_split=wide, eval_split=split, report=lambda s: None)
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_next_step(tmp_path):
   split, val = _copy_split(100, 0), _copy_split(16, 1)
   kw = dict(train_split=split, eval_split=val, report=lambda s: None)
@@ -112,6 +116,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_distillation_moves_the_draft_toward_the_teacher(tmp_path):
   teacher_cfg = t5.T5Config.preset("t5_1_1_tiny")
   teacher_params = t5.T5(teacher_cfg).init(jax.random.PRNGKey(42))
@@ -141,8 +146,8 @@ def test_demo_training_configs_parse_and_scale_like_the_paper():
     name = os.path.basename(path)[:-4]
     with open(path, encoding="utf-8") as f:
       binds_train_config = any(line.startswith("TrainConfig.") for line in f)
-    if name == "common" or not binds_train_config:
-      continue  # common settings, experiments, draft heads (test_medusa, test_eagle, test_mtp)
+    if name in ("common", "train_models") or not binds_train_config:
+      continue  # shared settings, experiments, draft heads (test_medusa, test_eagle, test_mtp)
     cfg = configured(path, "TrainConfig")
     assert cfg.export_path == f"demo_models/{name}", name
     sizes[name] = t5.T5(cfg.model_config()).num_params()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding import registry, runner
 from spec_decode.decoding.types import Committed
@@ -78,10 +79,10 @@ def test_drafted_tree_is_a_connected_subtree_within_budget():
       np.testing.assert_allclose(conf[b, i], want, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kw", [dict(budget=6, width=2, expand=2, depth=3, steps=3),
-                                dict(budget=10, width=3, expand=3, depth=4, steps=4),
-                                dict(budget=3, width=1, expand=1, depth=3, steps=3)],
-                         ids=["b6w2d3", "b10w3d4", "chain_w1"])
+@pytest.mark.parametrize("kw", tiered([dict(budget=6, width=2, expand=2, depth=3, steps=3),
+                                       dict(budget=10, width=3, expand=3, depth=4, steps=4),
+                                       dict(budget=3, width=1, expand=1, depth=3, steps=3)],
+                                      fast=("b6w2d3",), ids=["b6w2d3", "b10w3d4", "chain_w1"]))
 def test_greedy_tree_equals_autoregressive(kw):
   target, tp, draft, dp = _t5_pair()
   enc = np.random.RandomState(2).randint(2, 32, (8, 6)).astype(np.int32)
@@ -99,7 +100,7 @@ def test_greedy_tree_equals_autoregressive(kw):
   assert np.asarray(st.accepted).sum() > 0
 
 
-MK_V, MK_L, MK_N = 6, 4, 40_000
+MK_V, MK_L, MK_N = 6, 4, ex.rows(4 / 3)
 MK_ENC = np.array([[3, 4, 5, 0]], np.int32)
 
 
@@ -121,10 +122,10 @@ def _sample(algo, sampling, n=MK_N):
   return testing.chi_square([testing.sequences(r)], [law]), r
 
 
-@pytest.mark.parametrize("sampling", [decoding.Sampling(temperature=1.0),
-                                      decoding.Sampling(temperature=0.7, top_k=3),
-                                      decoding.Sampling(temperature=1.3, top_p=0.8)],
-                         ids=["t1", "t0.7_topk3", "t1.3_topp0.8"])
+@pytest.mark.parametrize("sampling", tiered([decoding.Sampling(temperature=1.0),
+                                             decoding.Sampling(temperature=0.7, top_k=3),
+                                             decoding.Sampling(temperature=1.3, top_p=0.8)],
+                                            fast=("t1",), ids=["t1", "t0.7_topk3", "t1.3_topp0.8"]))
 def test_tree_sampling_is_exact(sampling):
   fit, r = _sample(_tree_algo(budget=6, width=2, expand=2, depth=3, steps=3), sampling)
   print("tree exactness", sampling, fit)
@@ -137,6 +138,7 @@ def test_tree_sampling_is_exact(sampling):
   assert abs(acc - beta) < 4 * np.sqrt(dec * 0.25), (acc, beta, dec)
 
 
+@pytest.mark.slow
 def test_confidence_estimates_tokens_per_call_when_the_draft_is_the_target():
   # With q = p, a node's confidence is the probability that the target's walk reaches it,
   # so the proposal's confidences sum (draft_mass_at) to the expected number of accepted
@@ -173,6 +175,7 @@ class _WrongExtra(decoding.TreeVerifier):
     return v.replace(extra=extra)
 
 
+@pytest.mark.slow
 def test_negative_control_wrong_extra_is_rejected():
   algo = decoding.Speculative(gamma=1, drafter=decoding.TreeDrafter(
       budget=6, width=2, expand=2, depth=3, steps=3), verifier=_WrongExtra())

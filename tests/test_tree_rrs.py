@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 
 import exactness as ex
+from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding import registry, runner
 from spec_decode.decoding.drafters.sampled_tree import tree_shape
 from spec_decode.decoding.types import Committed
 
-ROWS = 30_000
+ROWS = ex.rows()
 SE_BOUND = 4.0
 
 
@@ -121,6 +122,7 @@ def _check_greedy(algo, target, tp, draft, dp, enc, L):
   np.testing.assert_allclose(np.asarray(st.min_pq_sum), np.asarray(st.accepted))
 
 
+@pytest.mark.slow
 def test_greedy_equals_autoregressive_t5():
   """A real attention model (tree masks, positions m + depth), EOS inside the tree."""
   target, tp, draft, dp = ex.t5_eos_pair()
@@ -166,7 +168,7 @@ EXACT = {  # name: (draft, sampling, width, depth, siblings drawn with replaceme
 }
 
 
-@pytest.mark.parametrize("case", list(EXACT))
+@pytest.mark.parametrize("case", tiered(list(EXACT), fast=("far_t1_w3d2",)))
 def test_sampled_tree_rrs_is_exact(case):
   draft, sampling, width, depth, replace, seed = EXACT[case]
   result, fit = _sample(_algo(width, depth, with_replacement=replace), draft, sampling, seed)
@@ -185,6 +187,7 @@ class _UncheckedRRS(decoding.TreeRRSVerifier):
     pass
 
 
+@pytest.mark.slow
 def test_negative_control_with_replacement_rule_on_distinct_children_is_rejected():
   algo = _algo(3, 2, verifier=_UncheckedRRS(with_replacement=True))
   _, fit = _sample(algo, "far", decoding.Sampling(1.0), 310)  # tv ~ 0.12 at 30k rows

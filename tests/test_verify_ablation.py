@@ -11,6 +11,7 @@ import pytest
 from experiments import verify_ablation
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_the_table(tmp_path):
   paths = verify_ablation.main([
       "--scale", "tiny", "--tasks", "ende", "--temperatures", "0", "--gammas", "2",

@@ -1,9 +1,9 @@
 """The offline synthetic tasks: 'synthetic_ende' (BLEU) and 'synthetic_cnndm' (ROUGE).
 
 `offline_source(name)` gives their examples and tokenizer without seqio or
-TensorFlow (the trainer and the experiments use it); `register()` adds them to
-the task registry of `spec_decode.data.tasks` next to the real T5 tasks, so a
-gin macro switches between the stand-ins and WMT/CNN-DM.
+TensorFlow (the trainer and the experiments use it); `spec_decode.data.tasks`
+registers them as seqio tasks next to the real T5 tasks, so a gin macro switches
+between the stand-ins and WMT/CNN-DM.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from spec_decode.data import tokenized
 from spec_decode.data.synthetic import splits, vocab
 
 TASKS = {
@@ -37,9 +38,8 @@ class OfflineSource:
   def vocabulary(self) -> vocab.Vocab:
     return vocab.Vocab(self.vocab_path)
 
-  def tokenized(self, split: str, max_examples: int | None = None):
-    from spec_decode import train_data
-    return train_data.tokenize(self.examples(split, max_examples), self.vocabulary.encode,
+  def tokenized(self, split: str, max_examples: int | None = None) -> tokenized.TokenizedSplit:
+    return tokenized.tokenize(self.examples(split, max_examples), self.vocabulary.encode,
                                input_prefix=self.input_prefix)
 
 
@@ -48,12 +48,3 @@ def offline_source(name: str) -> OfflineSource:
     raise ValueError(f"unknown offline task {name!r}; known: {sorted(TASKS)}")
   metric, prefix = TASKS[name]
   return OfflineSource(name, metric, prefix)
-
-
-def register() -> None:
-  """Registers both tasks with `spec_decode.data.tasks.register_offline_task`."""
-  from spec_decode.data import tasks
-  for name, (metric, prefix) in TASKS.items():
-    tasks.register_offline_task(
-        name, examples_fn=functools.partial(splits.examples, name),
-        vocabulary=vocab.VOCAB_PATH, metric=metric, input_prefix=prefix)

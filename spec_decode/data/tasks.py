@@ -44,7 +44,6 @@ _t5_vocabulary_ids: dict[str, str] = {}   # task name -> identity of its vocabul
 _offline_tasks: set[str] = set()
 _user_offline_tasks: set[str] = set()  # registered by callers, not by this package
 _builtin_offline_registered = False
-_registering_builtin = False
 
 
 def output_features(vocabulary: seqio.Vocabulary) -> dict[str, seqio.Feature]:
@@ -88,13 +87,16 @@ def register_t5_task(name: str, *, vocabulary=None) -> seqio.Task:
 
 def register_offline_task(name: str, *, examples_fn: Callable[[str], Sequence[Mapping[str, str]]],
                           vocabulary, metric: str, input_prefix: str = "",
-                          splits: Iterable[str] = ("train", "validation", "test")) -> seqio.Task:
+                          splits: Iterable[str] = ("train", "validation", "test"),
+                          builtin: bool = False) -> seqio.Task:
   """Registers (or replaces) an offline seqio task.
 
   examples_fn(split) -> [{'inputs': str, 'targets': str}, ...], called once per
   split. vocabulary: a seqio.Vocabulary or the path of a SentencePiece model
   (no extra ids). metric: 'bleu' or 'rouge'. input_prefix is prepended to the
   inputs (like T5's task prefixes). Same tokenize / EOS steps as the T5 tasks.
+  builtin: one of this package's generated tasks (`register_builtin_offline_tasks`);
+  a caller's own task (the default) takes precedence over a generated one of its name.
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f"task name must be a non-empty str, got {name!r}")
@@ -132,10 +134,10 @@ def register_offline_task(name: str, *, examples_fn: Callable[[str], Sequence[Ma
       output_features=output_features(voc),
       metric_fns=[METRICS[metric]]))
   _offline_tasks.add(name)
-  if not _registering_builtin:
-    _user_offline_tasks.add(name)
-  else:
+  if builtin:
     _user_offline_tasks.discard(name)
+  else:
+    _user_offline_tasks.add(name)
   return task
 
 
@@ -149,23 +151,22 @@ def user_offline_task_names() -> tuple[str, ...]:
 
 
 def register_builtin_offline_tasks() -> None:
-  """Registers the package's offline tasks once: toy tasks and, if present, synthetic ones."""
-  global _builtin_offline_registered, _registering_builtin
+  """Registers the package's generated tasks once: the toy tasks (`toy_tasks`) and the
+  synthetic ones (`synthetic_tasks`), with the examples `spec_decode.data.offline` serves."""
+  global _builtin_offline_registered
   if _builtin_offline_registered:
     return
-  from spec_decode.data import toy_tasks
-  _registering_builtin = True
-  try:
-    toy_tasks.register()
-    try:
-      from spec_decode.data import synthetic_tasks
-    except ModuleNotFoundError as e:
-      if e.name != "spec_decode.data.synthetic_tasks":
-        raise
-    else:
-      synthetic_tasks.register()
-  finally:
-    _registering_builtin = False
+  from spec_decode.data import synthetic_tasks, toy_tasks
+  from spec_decode.data.synthetic import splits as synthetic_splits
+  from spec_decode.data.synthetic import vocab as synthetic_vocab
+  for name, (metric, prefix) in toy_tasks.TASKS.items():
+    register_offline_task(name, examples_fn=functools.partial(toy_tasks.examples, name),
+                          vocabulary=seqio.ByteVocabulary(), metric=metric, input_prefix=prefix,
+                          splits=tuple(toy_tasks.SPLIT_SIZES), builtin=True)
+  for name, (metric, prefix) in synthetic_tasks.TASKS.items():
+    register_offline_task(name, examples_fn=functools.partial(synthetic_splits.examples, name),
+                          vocabulary=synthetic_vocab.VOCAB_PATH, metric=metric,
+                          input_prefix=prefix, builtin=True)
   _builtin_offline_registered = True
 
 

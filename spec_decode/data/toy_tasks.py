@@ -3,8 +3,9 @@
 Inputs are short random word sequences, targets the same words in reverse
 order; the vocabulary is seqio's ByteVocabulary (259 ids: PAD, EOS, UNK and
 256 bytes), so no vocabulary file is needed. Examples are a pure function of
-(task, split), so every process and rerun sees the same data. Listing the
-names here needs neither seqio nor TensorFlow; `register()` does.
+(task, split), so every process and rerun sees the same data. Nothing here needs
+seqio or TensorFlow: `spec_decode.data.offline` serves the task without them, and
+`spec_decode.data.tasks` registers it as a seqio task.
 """
 
 from __future__ import annotations
@@ -36,16 +37,3 @@ def examples(name: str, split: str) -> list[dict[str, str]]:
     words = [WORDS[i] for i in rng.integers(0, len(WORDS), size=int(rng.integers(3, 9)))]
     out.append({"inputs": " ".join(words), "targets": " ".join(reversed(words))})
   return out
-
-
-def register() -> None:
-  """Registers the toy tasks as seqio tasks (imports seqio)."""
-  import functools
-
-  import seqio
-
-  from spec_decode.data import tasks
-  for name, (metric, prefix) in TASKS.items():
-    tasks.register_offline_task(name, examples_fn=functools.partial(examples, name),
-                                vocabulary=seqio.ByteVocabulary(), metric=metric,
-                                input_prefix=prefix, splits=tuple(SPLIT_SIZES))

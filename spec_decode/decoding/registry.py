@@ -1,14 +1,17 @@
 """Registries of algorithms, drafters and verifiers, by name.
 
-Each plug-in registers itself with one decorator line; `main.register_gin`
-makes every registered class gin-configurable under its class name, and
-`get` builds one from its registered name (e.g. in experiment configs).
+Each plug-in registers itself with one decorator line, which also registers it
+as configurable (`spec_decode.configurable`: the command lines' gin layer makes it
+gin-configurable under its class name); `get` builds one from its registered name
+(e.g. in experiment configs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+
+from spec_decode import configurable
 
 ALGORITHMS: dict[str, type] = {}
 DRAFTERS: dict[str, type] = {}
@@ -24,7 +27,7 @@ def _register(kind: str, name: str) -> Callable[[type], type]:
       raise ValueError(f"{kind} name {name!r} is already registered to {table[name].__name__}")
     table[name] = cls
     cls.registered_name = name
-    return cls
+    return configurable.register(cls)
   return deco
 
 
@@ -51,7 +54,7 @@ def get(kind: str, name: str, **kwargs) -> Any:
 
 
 def all_classes() -> list[type]:
-  """Every registered class (for gin registration)."""
+  """Every registered algorithm, drafter and verifier class."""
   return [cls for table in _KINDS.values() for cls in table.values()]
 
 

@@ -50,11 +50,24 @@ class Algorithm:
   """A decoding algorithm: its settings (hashable, jit-static) and its loop.
 
   needs_draft: whether `run` must be given a draft model.
+  drafter: what proposes tokens (a `Drafter`; None: the algorithm drafts none).
+  gamma: tokens drafted per target call (None: the algorithm drafts none).
+  compact_batch: whether the loop shrinks its batch as rows finish (unsharded runs only).
+  Subclasses make drafter, gamma and compact_batch dataclass fields where they have them.
+  max_proposal: K, the most tokens one target call verifies beyond the first (None: one
+  token per call).
   decode(ctx): the whole decode inside jit -> DecodeResult (see `LoopContext`).
   init_stats(batch): its named per-row counters, zero.
   cost_model(...): the speedup its cost model predicts, or None when it has none.
   """
   needs_draft: ClassVar[bool] = False
+  drafter = None
+  gamma = None
+  compact_batch = False
+
+  @property
+  def max_proposal(self) -> int | None:
+    return None
 
   def check_models(self, target, draft) -> None:
     """Raises ValueError when the models cannot serve this algorithm."""
@@ -69,8 +82,10 @@ class Algorithm:
   def decode(self, ctx: "LoopContext") -> DecodeResult:
     raise NotImplementedError(f"{type(self).__name__} has no loop")
 
-  def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float] | None:
-    """Predicted speedups over autoregressive decoding, or None (no model)."""
+  def cost_model(self, *, alpha: float, draft_cost: float, verify_ratio: float,
+                 counters=None) -> dict[str, Any] | None:
+    """Predicted speedups over autoregressive decoding, or None (no model): see
+    `Speculative.cost_model`."""
     return None
 
 
@@ -222,7 +237,7 @@ def compacting_loop(ctx: LoopContext, state, *, rows_of, with_rows, result_of, d
 
 @functools.lru_cache(maxsize=1)
 def _greedy_key() -> jax.Array:
-  """The key of greedy runs given no rng (made once: an eager PRNGKey costs ~0.2 ms a call)."""
+  """The key of greedy runs given no rng (made once: an eager PRNGKey is a device op per call)."""
   return jax.random.PRNGKey(0)
 
 
@@ -254,7 +269,7 @@ def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_id
   """Validates the public arguments of a decoder; returns normalized values. Concrete
   tokens come back as numpy int32 arrays (`base.validate_tokens`): they are read on the
   host once, trimmed there, and moved to the device by the decode call itself, with no
-  eager device op per call (each costs ~0.1-0.3 ms of a ~5 ms small-model decode)."""
+  eager device op per call (each is a dispatch, a visible share of a small model's decode)."""
   if not is_int(max_decode_len) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be a positive int, got {max_decode_len!r}")
   if not isinstance(sampling, Sampling):
@@ -410,7 +425,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   check_streamed_params("draft", draft, draft_params)
   if compiler_options is not None and mesh is not None:
     raise ValueError("compiler_options apply to unsharded runs only (mesh=None)")
-  if mesh is not None and getattr(algorithm, "compact_batch", False):
+  if mesh is not None and algorithm.compact_batch:
     raise ValueError(f"{type(algorithm).__name__}(compact_batch=True) runs unsharded only "
                      "(mesh=None)")
   if mesh is not None:  # the sharded path lays out device arrays (or global ones) as given

@@ -12,7 +12,9 @@ s_{t+1} chosen after it,
   f'_{t+1} = final_norm(y_t)                       the predicted f_{t+1}
 
 and the target's own frozen LM head turns f'_{t+1} into logits for s_{t+2}.
-Drafting feeds the head its own predictions f' in place of f.
+Drafting feeds the head its own predictions f' in place of f
+(`decoding.drafters.eagle`); checkpoints are the one format of draft heads
+(`checkpoints.heads`, kind 'eagle').
 
 Head cache entry t holds the pair (f_t, s_{t+1}) at position t, so a head
 cache of length m has consumed the pairs of s_0 .. s_{m-1}: the same length
@@ -28,12 +30,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from spec_decode import tree_util
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.models import base, t5
 
 
@@ -187,121 +187,6 @@ class EagleHead(base.ParamSpecs):
     cache = self.init_cache(params, encoded, features_BTD.shape[1])
     return self.step(params, cache, features_BTD, embeddings_BTD)[0]
 
-  def drafting_decoder(self, target: t5.T5, target_params, params):
-    """(`DraftingDecoder`, its params): the head drafting on its own features as a plain
-    `Decoder`, so generic tools (e.g. `timing.step_time` for c) can run its step."""
-    self.check_target(target)
-    return DraftingDecoder(self, target), {"head": params, "target": target_params}
 
-
-@flax.struct.dataclass
-class DraftingCache:
-  """The head's cache and its last predicted feature [B, D] (what the next token reads)."""
-  head: t5.DecodeCache
-  feature: jax.Array
-
-  @property
-  def lengths(self):
-    return self.head.lengths
-
-  @property
-  def max_length(self) -> int:
-    return self.head.max_length
-
-  def rewind(self, lengths) -> "DraftingCache":
-    return self.replace(head=self.head.rewind(lengths))
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftingDecoder:
-  """An EAGLE head as a `Decoder` over params {'head', 'target'}: each token is paired
-  with the head's previous prediction (zeros at first), exactly the drafting step of
-  `decoding.drafters.eagle` (head block + the target's LM head), without true target
-  features. For measuring and inspecting a head; decoding uses `EagleDrafter`."""
-  head: EagleHead
-  target: t5.T5
-
-  @property
-  def vocab_size(self) -> int:
-    return self.head.vocab_size
-
-  def encode(self, params, encoder_tokens):
-    return self.target.encode(params["target"], encoder_tokens)
-
-  def init_cache(self, params, encoded, max_decode_len: int) -> DraftingCache:
-    cache = self.head.init_cache(params["head"], encoded, max_decode_len)
-    B = cache.lengths.shape[0]
-    return DraftingCache(head=cache,
-                         feature=jnp.zeros((B, self.head.d_model), self.head.config.dtype))
-
-  def decode(self, params, cache: DraftingCache, tokens, *, positions=None, tree_mask=None):
-    if positions is not None or tree_mask is not None:
-      raise ValueError("an EAGLE head drafts chains only (no positions / tree_mask)")
-    tokens = base.check_tokens(tokens, "tokens", self.vocab_size)
-    hp, tp = params["head"], params["target"]
-
-    def one(carry, x_B):
-      head_cache, feature = carry
-      pred, head_cache = self.head.step(hp, head_cache, feature[:, None],
-                                        self.target.embed(tp, x_B[:, None]))
-      return (head_cache, pred[:, 0]), pred[:, 0]
-
-    (head_cache, feature), preds = jax.lax.scan(one, (cache.head, cache.feature),
-                                                jnp.swapaxes(tokens, 0, 1))
-    hidden = jnp.swapaxes(preds, 0, 1)
-    logits = self.target.logits_from_hidden(tp, hidden.astype(self.target.config.dtype))
-    return base.DecodeOutput(logits=logits, cache=DraftingCache(head=head_cache, feature=feature),
-                             hidden=hidden)
-
-
-# ---------------------------------------------------------------------- checkpoints
-CONFIG_FILE = "eagle_config.json"
-
-
-def save(path, head: EagleHead, params, *, step: int = 0, dtype=None) -> None:
-  """Writes the head as a T5X-format checkpoint (the project's writer) plus its config.
-
-  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
-  """
-  save_head(path, head, params, CONFIG_FILE, step=step, dtype=dtype)
-
-
-def load(path, *, dtype=None) -> tuple["EagleHead", dict]:
-  """(head, params) from a directory `save` wrote; dtype None = float32 on CPU."""
-  return load_head(path, CONFIG_FILE, lambda d: EagleHead(EagleConfig.from_json(d)),
-                   "an EAGLE head", dtype=dtype)
-
-
-def save_head(path, head, params, config_file: str, *, step: int = 0, dtype=None) -> None:
-  """A head (anything with `check_params` and `config.to_json()`) as a T5X-format checkpoint
-  plus `config_file` (its config as JSON) in the new or empty directory `path`."""
-  import json
-
-  from spec_decode.checkpoints import storage, t5x_legacy
-  head.check_params(params)
-  path = storage.normalize(path)
-  storage.check_empty_target(path)
-  flat = {k: np.asarray(v).astype(jnp.dtype(dtype or head.config.dtype))
-          for k, v in tree_util.flatten(jax.device_get(params)).items()}
-  t5x_legacy.write(path, flat, step=step)
-  config = head.config.to_json()
-  if dtype is not None:
-    config["dtype"] = jnp.dtype(dtype).name
-  storage.write_bytes(storage.join(path, config_file), json.dumps(config, indent=1).encode())
-
-
-def load_head(path, config_file: str, make_head, what: str, *, dtype=None):
-  """(head, params) from a directory `save_head` wrote: make_head(config JSON with the
-  loading dtype) builds the head; `what` names it in errors."""
-  import json
-
-  from spec_decode.checkpoints import common, storage, t5x_legacy
-  path = storage.normalize(path)
-  raw = storage.read_bytes(storage.join(path, config_file))
-  if raw is None:
-    raise ValueError(f"{path} is not {what} checkpoint: no {config_file}")
-  dtype = common.resolve_dtype(dtype)
-  head = make_head(dict(json.loads(raw), dtype=jnp.dtype(dtype).name))
-  params = tree_util.unflatten(common.materialize(t5x_legacy.open_arrays(path), dtype))
-  head.check_params(params)
-  return head, params
+head_checkpoints.register("eagle", EagleHead, what="an EAGLE head",
+                          from_config=lambda d: EagleHead(EagleConfig.from_json(d)))

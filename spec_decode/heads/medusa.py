@@ -11,40 +11,28 @@ prediction (Medusa's initialisation) and learns the offset. The heads cost K
 small matmuls and one LM-head product of K rows per proposal, with no
 sequential draft calls: a chain of K tokens comes out of one state.
 
-Training (`train`): self-distillation on the frozen target. The target decodes
-training inputs greedily (its own outputs are what the heads see when
-decoding); then, teacher-forced on those outputs, head k at position t is
-trained with cross-entropy against the target's own law at position t + k,
-softmax(target logits at t + k), weighted 0.8^(k - 1) (later heads are harder
-and matter less: a chain stops at its first rejection).
+Training: self-distillation on the frozen target (`train.medusa`).
 
-Files (`save` / `load`): a directory with `medusa.json` (the head config and
-the target shape it was trained for) and `params.msgpack` (the project's
-msgpack codec; float32 arrays).
+Checkpoints: the one format of draft heads (`checkpoints.heads`, kind 'medusa',
+float32 arrays); directories written before it (`medusa.json`, `params.msgpack`) still load.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
-from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode.checkpoints import msgpack_codec
-from spec_decode.models import t5
-
-CONFIG_FILE = "medusa.json"
-PARAMS_FILE = "params.msgpack"
+from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.models import base, t5
 
 
 @dataclasses.dataclass(frozen=True)
 class MedusaConfig:
-  """num_heads K (tokens proposed per call at most), the target's emb_dim and vocab_size."""
+  """num_heads K (tokens proposed per call at most), the target's emb_dim and vocab_size.
+  The heads compute in float32 (`dtype`)."""
   num_heads: int
   emb_dim: int
   vocab_size: int
@@ -60,9 +48,20 @@ class MedusaConfig:
     return cls(num_heads=num_heads, emb_dim=target.config.emb_dim,
                vocab_size=target.config.vocab_size)
 
+  @property
+  def dtype(self):
+    return jnp.dtype(jnp.float32)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d) -> "MedusaConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
 
 @dataclasses.dataclass(frozen=True)
-class MedusaHeads:
+class MedusaHeads(base.ParamSpecs):
   """K heads over a target's final decoder states (hashable: a jit-static draft "model").
 
   It is the draft of `decoding.Speculative(drafter=MedusaDrafter())`: the loop
@@ -79,17 +78,19 @@ class MedusaHeads:
   def num_heads(self) -> int:
     return self.config.num_heads
 
-  def init(self, rng=None) -> dict:
+  def _param_specs(self):
     """Zero residual blocks: every head starts as the target's next-token prediction."""
-    del rng  # deterministic
     K, D = self.config.num_heads, self.config.emb_dim
-    return {"w": jnp.zeros((K, D, D), jnp.float32), "b": jnp.zeros((K, D), jnp.float32)}
+    zeros = jax.nn.initializers.zeros
+    return {"w": ((K, D, D), (None, "embed", "mlp"), zeros), "b": ((K, D), (None, "mlp"), zeros)}
 
-  def param_shapes(self) -> dict:
-    return jax.eval_shape(self.init)
+  def init(self, rng=None) -> dict:
+    """Zero residual blocks (deterministic: rng is unused)."""
+    return super().init(jax.random.PRNGKey(0) if rng is None else rng)
 
-  def logical_axes(self) -> dict:
-    return {"w": (None, "embed", "mlp"), "b": (None, "mlp")}
+  def check_params(self, params) -> None:
+    """Raises ValueError unless `params` has these heads' names and shapes."""
+    self.check_param_names(params, f"Medusa heads ({self.num_heads})")
 
   def check_target(self, target) -> None:
     """ValueError unless `target` is a T5 of this head's emb_dim and vocabulary."""
@@ -117,210 +118,5 @@ class MedusaHeads:
     return out.reshape(shape[:-1] + (out.shape[-1],))
 
 
-  def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    repeats: int = 10, compiler_options=None, **unused) -> float:
-    """Marginal seconds per proposed token: one proposal of all K heads (what
-    `MedusaDrafter` runs per target call) divided by gamma."""
-    from spec_decode import timing
-    hidden = jnp.zeros((encoder_tokens.shape[0], self.config.emb_dim), jnp.float32)
-
-    def propose(h):
-      logits = self.logits(params, target, target_params, h)
-      return jnp.mean(logits, axis=(1, 2))[:, None]  # depends on every head's logits
-
-    return timing.loop_seconds(propose, hidden, repeats=repeats,
-                               compiler_options=compiler_options) / gamma
-
-
-# ----------------------------------------------------------------------------- files
-def save(path: str, heads: MedusaHeads, params: Mapping[str, Any], *,
-         info: Mapping[str, Any] | None = None) -> None:
-  """Writes the heads into a new or empty directory `path`."""
-  if os.path.isdir(path) and os.listdir(path):
-    raise ValueError(f"{path} already holds files; Medusa heads are saved into a new or "
-                     f"empty directory")
-  os.makedirs(path, exist_ok=True)
-  arrays = {k: np.asarray(v, np.float32) for k, v in jax.device_get(dict(params)).items()}
-  with open(os.path.join(path, PARAMS_FILE), "wb") as f:
-    f.write(msgpack_codec.encode(arrays))
-  meta = {"format": "spec_decode.medusa", "config": dataclasses.asdict(heads.config),
-          "info": dict(info or {})}
-  with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=2)
-    f.write("\n")
-
-
-def load(path: str) -> tuple[MedusaHeads, dict]:
-  """(heads, params) saved by `save`; a clear error for a missing, partial or corrupt directory."""
-  cfg_path, params_path = os.path.join(path, CONFIG_FILE), os.path.join(path, PARAMS_FILE)
-  if not os.path.isfile(cfg_path):
-    raise ValueError(f"no Medusa heads at {path}: {CONFIG_FILE} is missing")
-  if not os.path.isfile(params_path):
-    raise ValueError(f"partial Medusa heads at {path}: {PARAMS_FILE} is missing")
-  try:
-    with open(cfg_path, encoding="utf-8") as f:
-      meta = json.load(f)
-    heads = MedusaHeads(MedusaConfig(**meta["config"]))
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"corrupt {cfg_path}: {e}") from e
-  try:
-    with open(params_path, "rb") as f:
-      arrays = msgpack_codec.decode(f.read())
-  except Exception as e:  # msgpack raises several types on truncated data
-    raise ValueError(f"corrupt {params_path}: {type(e).__name__}: {e}") from e
-  expected = heads.param_shapes()
-  if not isinstance(arrays, dict) or set(arrays) != set(expected):
-    raise ValueError(f"corrupt {params_path}: expected arrays {sorted(expected)}, got "
-                     f"{sorted(arrays) if isinstance(arrays, dict) else type(arrays).__name__}")
-  for k, s in expected.items():
-    if tuple(np.shape(arrays[k])) != s.shape:
-      raise ValueError(f"corrupt {params_path}: {k} has shape {np.shape(arrays[k])}, expected "
-                       f"{s.shape} for {heads.config}")
-  return heads, {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
-
-
-# ----------------------------------------------------------------------------- training
-HEAD_DECAY = 0.8
-
-
-def loss_fn(heads: MedusaHeads, params, target: t5.T5, target_params, batch):
-  """(loss, metrics) of self-distillation on one teacher-forced batch.
-
-  batch: encoder_tokens [B, S], decoder_inputs [B, T] (BOS first), weights
-  [B, T] (1 at real target tokens). Head k at position t is scored against
-  the target's law at t + k for every t with a real token at t + k.
-  """
-  encoded = target.encode(target_params, batch["encoder_tokens"])
-  T = batch["decoder_inputs"].shape[1]
-  cache = target.init_cache(target_params, encoded, T)
-  out = target.decode(target_params, cache, batch["decoder_inputs"])
-  hidden = jax.lax.stop_gradient(out.hidden)
-  teacher = jax.nn.log_softmax(jax.lax.stop_gradient(out.logits), axis=-1)  # [B, T, V]
-  logits = heads.logits(params, target, target_params, hidden)  # [B, T, K, V]
-  logq = jax.nn.log_softmax(logits, axis=-1)
-  total, weight_sum, metrics = 0.0, 0.0, {}
-  for k in range(1, heads.num_heads + 1):
-    p_next = jnp.exp(teacher[:, k:])  # the target's law at t + k, for t = 0 .. T - k - 1
-    ce = -jnp.sum(p_next * logq[:, :T - k, k - 1], axis=-1)  # [B, T - k]
-    w = batch["weights"][:, k:]
-    ce_k = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
-    agree = jnp.argmax(logq[:, :T - k, k - 1], -1) == jnp.argmax(teacher[:, k:], -1)
-    metrics[f"head{k}_agreement"] = jnp.sum(agree * w) / jnp.maximum(jnp.sum(w), 1.0)
-    metrics[f"head{k}_ce"] = ce_k
-    total = total + HEAD_DECAY ** (k - 1) * ce_k
-    weight_sum += HEAD_DECAY ** (k - 1)
-  loss = total / weight_sum
-  metrics["loss"] = loss
-  metrics["tokens"] = jnp.sum(batch["weights"])  # evaluations weight batches by it
-  return loss, metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Self-distillation of Medusa heads on a frozen target checkpoint.
-
-  target_checkpoint: the target (any format `checkpoints.load` reads). task: a
-  synthetic task ('synthetic_ende', 'synthetic_cnndm'). teacher_examples:
-  training inputs the target decodes greedily (the heads' training targets).
-  export_path: where `save` writes the heads (new or empty directory).
-  workdir: where the train state is checkpointed every save_every steps (Orbax);
-  a rerun with the same workdir resumes (batches are a function of the step).
-  """
-  target_checkpoint: str
-  task: str
-  export_path: str | None = None
-  num_heads: int = 4
-  num_steps: int = 300
-  batch_size: int = 32
-  learning_rate: float = 3e-3
-  input_length: int = 64
-  target_length: int = 48
-  teacher_examples: int = 2048
-  eval_examples: int = 128
-  seed: int = 0
-  log_every: int = 50
-  eval_every: int = 100
-  save_every: int = 100
-  workdir: str | None = None
-
-
-def _greedy_split(target, target_params, split, n: int, cfg: TrainConfig, report):
-  from spec_decode import decoding, train_data
-  n = min(n, len(split))
-  outs = []
-  for start in range(0, n, 256):
-    idx = list(range(start, min(n, start + 256)))
-    enc = train_data._pad([split.inputs[i] for i in idx], cfg.input_length, 8)
-    r = decoding.autoregressive(target, target_params, enc, max_decode_len=cfg.target_length)
-    toks, lens = np.asarray(r.tokens), np.asarray(r.lengths)
-    outs.extend(tuple(int(t) for t in row[:m]) for row, m in zip(toks, lens))
-    report(f"target decoded {len(outs)}/{n} inputs")
-  return train_data.TokenizedSplit(split.inputs[:n], tuple(outs))
-
-
-def train(cfg: TrainConfig, *, report: Callable[[str], None] = print, train_split=None,
-          eval_split=None) -> dict[str, Any]:
-  """Trains (or resumes from cfg.workdir) heads for cfg.num_steps steps in total; returns
-  {heads, params, history, eval, minutes} (history: the logged training metrics).
-
-  train_split / eval_split (`train_data.TokenizedSplit`) override the task's
-  inputs (tests pass tiny ones); either way the targets are the target's own
-  greedy outputs.
-  """
-  import optax
-  from spec_decode import checkpoints, model_specs, train as train_lib
-  from spec_decode.heads import train_eagle
-  if cfg.export_path and os.path.isdir(cfg.export_path) and os.listdir(cfg.export_path):
-    raise ValueError(f"export_path {cfg.export_path} already holds files; remove it first")
-  tcfg, tparams = checkpoints.load(model_specs.resolve_checkpoint(cfg.target_checkpoint),
-                                   dtype="float32")
-  target = t5.T5(tcfg.replace(dtype=jnp.float32))
-  if train_split is None or eval_split is None:
-    from spec_decode.data import synthetic_tasks
-    source = synthetic_tasks.offline_source(cfg.task)
-    if train_split is None:
-      train_split = source.tokenized("train", cfg.teacher_examples)
-    if eval_split is None:
-      eval_split = source.tokenized("validation", cfg.eval_examples)
-  start = time.time()
-  train_split = _greedy_split(target, tparams, train_split, cfg.teacher_examples, cfg, report)
-  eval_split = _greedy_split(target, tparams, eval_split, cfg.eval_examples, cfg, report)
-  heads = MedusaHeads(MedusaConfig.for_target(target, cfg.num_heads))
-  params = heads.init()
-  optimizer = optax.adamw(optax.cosine_decay_schedule(cfg.learning_rate, cfg.num_steps),
-                          weight_decay=0.0)
-  state = train_lib.TrainState(step=jnp.int32(0), params=params,
-                               opt_state=optimizer.init(params))
-  state, manager = train_lib.resume(state, cfg, report)
-  loss = lambda p, *, target_params, batch: loss_fn(heads, p, target, target_params, batch)
-  train_step, eval_step = train_eagle.make_steps(loss, optimizer)
-  state, history, final = train_lib.run_steps(
-      state, cfg, train_step=train_step, eval_step=eval_step, train_split=train_split,
-      eval_split=eval_split, frozen_params=tparams, manager=manager, report=report,
-      describe=lambda m: (f"loss {m['loss']:.4f} head1_agreement "
-                          f"{m['head1_agreement']:.3f}"))
-  minutes = (time.time() - start) / 60
-  report(f"trained to step {int(state.step)} ({minutes:.1f} min)")
-  if cfg.export_path:
-    save(cfg.export_path, heads, state.params, info={
-        "target_checkpoint": cfg.target_checkpoint, "task": cfg.task, "steps": cfg.num_steps,
-        "batch_size": cfg.batch_size, "learning_rate": cfg.learning_rate,
-        "teacher_examples": cfg.teacher_examples, "minutes": round(minutes, 2),
-        "eval": {k: round(v, 4) for k, v in final.items()}})
-    report(f"saved Medusa heads to {cfg.export_path}")
-  return {"heads": heads, "params": state.params, "history": history, "eval": final,
-          "minutes": minutes}
-
-
-def run_cli() -> None:
-  """`python -m spec_decode.heads.medusa --gin_file=configs/demo/ende_medusa.gin`."""
-  from spec_decode import gin_config
-  gin_config.run_trainer("spec_decode.heads.medusa", TrainConfig, "MedusaTrainConfig",
-                         "configs/demo/ende_medusa.gin",
-                         lambda cfg: train(cfg, report=lambda s: print(s, flush=True)))
-
-
-if __name__ == "__main__":
-  # Run the importable module's copy, so gin registers one TrainConfig class.
-  from spec_decode.heads import medusa as _medusa
-  _medusa.run_cli()
+head_checkpoints.register("medusa", MedusaHeads, what="a Medusa heads", dtype=jnp.float32,
+                          from_config=lambda d: MedusaHeads(MedusaConfig.from_json(d)))

@@ -16,13 +16,14 @@ and the target's own frozen LM head turns h^k_t into the law of s_{t+k+1}
 keeps the causal chain of the ones before it). Each module has the shape and
 parameter names of an EAGLE head (`heads.eagle`); module k's parameters are
 under `mtp_{k}/`. Unlike an EAGLE head, module k is a different network for
-each depth k and is trained teacher-forced on true tokens (`train_mtp`), with
+each depth k and is trained teacher-forced on true tokens (`train.mtp`), with
 no feature-regression target: the chain of states is the modules' own.
 
 Drafting (decoding.drafters.mtp): with m tokens committed and f_{m-1} known,
 module k at position m - 1 proposes s_{m+k}, reading the drafts x_1 ..
 x_{k-1} as its look-ahead tokens: a proposal of gamma <= D tokens costs gamma
-module calls and no target call.
+module calls and no target call. Checkpoints are the one format of draft heads
+(`checkpoints.heads`, kind 'mtp').
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.heads import eagle
 from spec_decode.models import base, t5
-
-CONFIG_FILE = "mtp_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,43 +137,6 @@ class MtpModules(base.ParamSpecs):
     logits = target.logits_from_hidden(target_params, h_at.astype(target.config.dtype))
     return h, cache, logits[:, 0]
 
-  def token_seconds(self, target: t5.T5, target_params, params, encoder_tokens, *, gamma: int,
-                    position: int, cache_length: int, repeats: int = 10,
-                    compiler_options=None, **unused) -> float:
-    """Marginal seconds per proposed token: one proposal of gamma tokens as
-    `MtpDrafter.propose` runs it (`window_step` of modules 1 .. gamma over a 2 gamma
-    window, caches holding `position` entries), divided by gamma."""
-    from spec_decode import timing
-    encoded = target.encode(target_params, encoder_tokens)
-    B, W = encoder_tokens.shape[0], 2 * gamma
-    caches = [c.replace(lengths=jnp.full((B,), position, jnp.int32))
-              for c in self.init_caches(params, encoded, cache_length + W, gamma)]
-    tokens = jnp.ones((B, W), jnp.int32)
-    at = jnp.full((B,), gamma - 1, jnp.int32)
 
-    def propose(h):
-      out = 0.0
-      for k in range(1, gamma + 1):
-        h, _, logits = self.window_step(params, k, caches[k - 1], h, tokens, at, target,
-                                        target_params)
-        out = out + jnp.mean(logits, axis=1)[:, None, None]
-      return out
-
-    feats = jnp.zeros((B, W, self.d_model), self.config.dtype)
-    return timing.loop_seconds(propose, feats, repeats=repeats,
-                               compiler_options=compiler_options) / gamma
-
-
-# ---------------------------------------------------------------------- checkpoints
-def save(path, modules: MtpModules, params, *, step: int = 0, dtype=None) -> None:
-  """Writes the modules as a T5X-format checkpoint plus their config (`mtp_config.json`).
-
-  `path` must be new or empty; dtype (e.g. 'bfloat16') casts the stored arrays.
-  """
-  eagle.save_head(path, modules, params, CONFIG_FILE, step=step, dtype=dtype)
-
-
-def load(path, *, dtype=None) -> tuple[MtpModules, dict]:
-  """(modules, params) from a directory `save` wrote; dtype None = float32 on CPU."""
-  return eagle.load_head(path, CONFIG_FILE, lambda d: MtpModules(MtpConfig.from_json(d)),
-                         "an MTP module", dtype=dtype)
+head_checkpoints.register("mtp", MtpModules, what="an MTP module",
+                          from_config=lambda d: MtpModules(MtpConfig.from_json(d)))

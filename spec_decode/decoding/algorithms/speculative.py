@@ -22,6 +22,7 @@ decoding of the target. Finished rows keep computing but never change.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -29,11 +30,12 @@ import jax.numpy as jnp
 
 from spec_decode import theory
 from spec_decode.decoding import registry, runner
-from spec_decode.decoding.drafters import Drafter, ModelDrafter
+from spec_decode.decoding.drafters.base import Drafter
+from spec_decode.decoding.drafters.model import ModelDrafter
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
-from spec_decode.decoding.verifiers import ChainVerifier, Verifier
-from spec_decode.decoding.verifiers.chain import greedy_verdict
+from spec_decode.decoding.verifiers.base import Verifier
+from spec_decode.decoding.verifiers.chain import ChainVerifier, greedy_verdict
 from spec_decode.models.base import EOS_ID
 
 
@@ -117,12 +119,28 @@ class Speculative(runner.Algorithm):
                              accepted=((), i), decisions=((), i), min_pq_sum=((), f),
                              accepted_at=(K, i), decided_at=(K, i), **extra)
 
-  def cost_model(self, *, alpha: float, c: float, verify_ratio: float) -> dict[str, float]:
-    """Thm 3.8 (verify cost = one step) and the cost model charging the measured verify cost."""
-    tokens = float(theory.expected_tokens(alpha, self.gamma))
-    return {"thm_3_8": float(theory.walltime_improvement(alpha, self.gamma, c)),
-            "cost_model": tokens / (self.gamma * c + verify_ratio),
-            "expected_tokens": tokens}
+  def cost_model(self, *, alpha: float, draft_cost: float, verify_ratio: float,
+                 counters=None) -> dict[str, Any] | None:
+    """What this decoder's costs predict, or None when its drafter predicts no yield.
+
+    alpha: the measured acceptance rate; draft_cost: one proposal in target steps (its
+    drafter's `proposal_seconds` / T_p); verify_ratio: T_verify(K + 1) / T_p; counters:
+    the decoder's summed counters (a tree predicts its yield from its confidences).
+      expected_tokens: the drafter's E[tokens per target call] (`Drafter.expected_tokens`);
+      thm_3_8: E / (draft_cost + 1), Theorem 3.8's charge of one step per verify call (a
+        chain: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), c = draft_cost / gamma);
+      cost_model: E / (draft_cost + verify_ratio), the measured verify cost charged;
+      optimal_gamma: Theorem 3.8's best gamma at c (chains; None for trees).
+    """
+    tokens = self.drafter.expected_tokens(alpha=alpha, gamma=self.gamma, counters=counters)
+    if tokens is None:
+      return None
+    chain = not self.drafter.proposes_trees
+    return {"thm_3_8": tokens / (draft_cost + 1.0),
+            "cost_model": tokens / (draft_cost + verify_ratio),
+            "expected_tokens": tokens,
+            "optimal_gamma": (int(theory.optimal_gamma(alpha, draft_cost / self.gamma))
+                              if chain else None)}
 
   def decode(self, ctx: runner.LoopContext) -> DecodeResult:
     B, L = ctx.batch_size, ctx.max_decode_len

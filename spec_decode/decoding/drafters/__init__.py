@@ -15,48 +15,26 @@ speculative loop's jit:
 the target cache was built from (computed once per decode call).
 
 Adding one: a new file here with a `Drafter` subclass under
-`@registry.drafter("name")`, plus its import line below.
+`@registry.drafter("name")`; every module of this package is imported with it, so
+the drafter is registered by name (and gin-configurable) without another edit.
+The base class is in `base.py`.
 """
 
-from __future__ import annotations
+import importlib
+import pkgutil
 
-import dataclasses
+from spec_decode.decoding.drafters.base import Drafter
 
-from spec_decode.decoding.types import Committed, Proposal, Verdict
+for _module in pkgutil.iter_modules(__path__):  # registration: every drafter module
+  importlib.import_module(f"{__name__}.{_module.name}")
 
-
-@dataclasses.dataclass(frozen=True)
-class Drafter:
-  """Base class; see the module doc. proposes_trees: whether proposals may branch.
-  reports_confidence: whether proposals carry `Proposal.confidence` (the speculative
-  loop then counts `draft_mass_at`)."""
-  proposes_trees = False
-  reports_confidence = False
-
-  def proposal_size(self, gamma: int) -> int:
-    """K, the most tokens one proposal holds (a chain: gamma)."""
-    return gamma
-
-  def check_models(self, target, draft) -> None:
-    """Raises ValueError when the models cannot serve this drafter."""
-
-  def init(self, ctx, room: int):
-    raise NotImplementedError
-
-  def propose(self, ctx, state, committed: Committed, keys, num: int) -> tuple[Proposal, object]:
-    raise NotImplementedError
-
-  def commit(self, ctx, state, committed: Committed, verdict: Verdict, proposal: Proposal):
-    return state
-
-
-from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402  registration
-from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402  registration
-from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402  registration
-from spec_decode.decoding.drafters.medusa import MedusaDrafter  # noqa: E402  registration
-from spec_decode.decoding.drafters.sampled_tree import SampledTreeDrafter  # noqa: E402
+from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402
 from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter  # noqa: E402
-from spec_decode.decoding.drafters.mtp import MtpDrafter  # noqa: E402  registration
+from spec_decode.decoding.drafters.medusa import MedusaDrafter  # noqa: E402
+from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402
+from spec_decode.decoding.drafters.mtp import MtpDrafter  # noqa: E402
+from spec_decode.decoding.drafters.sampled_tree import SampledTreeDrafter  # noqa: E402
+from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402
 
 __all__ = ["AdaptiveDrafter", "Drafter", "EagleDrafter", "EagleTreeDrafter", "MedusaDrafter",
            "ModelDrafter", "MtpDrafter", "SampledTreeDrafter", "TreeDrafter"]

@@ -1,7 +1,7 @@
 """EAGLE drafting: a head on the target's own decoder features proposes a chain.
 
-`ctx.draft` is an `heads.eagle.EagleHead` and `ctx.draft_params` its
-parameters; the head reads the target's embeddings and LM head from
+`ctx.draft` is an EAGLE head (`FeatureHead`, e.g. `heads.eagle.EagleHead`) and
+`ctx.draft_params` its parameters; the head reads the target's embeddings and LM head from
 `ctx.target_params` and cross-attends to `ctx.encode("target")`, the encoding
 the target cache was built from (no second encoder pass).
 
@@ -37,17 +37,36 @@ the target's states along the accepted path and commits them as a chain.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.drafters.tree import TreeDrafter, confidence
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal
-from spec_decode.heads import eagle
+
+
+@runtime_checkable
+class FeatureHead(Protocol):
+  """What the EAGLE drafters ask of their draft "model" (`heads.eagle.EagleHead`): a
+  network predicting the target's next final decoder state from the last one and the
+  embedding of the token chosen after it."""
+  config: Any  # its dtype: config.dtype
+  d_model: int
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless the head reads this target's states and LM head."""
+
+  def init_cache(self, params, encoded, max_decode_len: int):
+    """An empty head cache cross-attending to the target's encoder output."""
+
+  def step(self, params, cache, features_BTD, embeddings_BTD, *, positions=None,
+           tree_mask=None):
+    """(predicted next features [B, T, D], cache with lengths + T)."""
 
 
 @flax.struct.dataclass
@@ -63,9 +82,9 @@ class EagleDrafter(Drafter):
   """Proposes a chain from an EAGLE head (the loop's draft model); see the module doc."""
 
   def check_models(self, target, draft) -> None:
-    if not isinstance(draft, eagle.EagleHead):
-      raise ValueError(f"EagleDrafter needs an EagleHead as the draft model, got "
-                       f"{type(draft).__name__}")
+    if not isinstance(draft, FeatureHead):
+      raise ValueError(f"EagleDrafter needs an EagleHead as the draft model "
+                       f"(spec_decode.heads.eagle), got {type(draft).__name__}")
     draft.check_target(target)
 
   def init(self, ctx, room: int):

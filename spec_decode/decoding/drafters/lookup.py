@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.types import Committed, Proposal
 from spec_decode.models.base import PAD_ID
 

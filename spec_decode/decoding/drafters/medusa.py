@@ -1,14 +1,15 @@
 """Medusa heads as the drafter: K tokens at once from the target's last decoder state.
 
-The loop's draft "model" is a `heads.medusa.MedusaHeads` (its params the
-draft params). The state is h [B, D], the target's final decoder state at
-the input whose logits gave the last committed token: after a verify call on
-[s_m, x_1 .. x_K] that accepted n tokens it is `committed.target_hidden[:, n]`
-(the extra token s_{m+n+1} was drawn from the target's law there), so no
-target call is added. Head k then proposes token s_{m+n+1+k}, for k = 1 ..
-gamma: the chain's first token follows the extra token. Before the first
-target call there is no state yet; the heads then read zeros (a fixed guess
-that the verifier simply rejects when wrong; the output law is unchanged).
+The loop's draft "model" is a set of heads (`MedusaNetwork`, e.g.
+`heads.medusa.MedusaHeads`; its params the draft params). The state is h [B, D],
+the target's final decoder state at the input whose logits gave the last
+committed token: after a verify call on [s_m, x_1 .. x_K] that accepted n tokens
+it is `committed.target_hidden[:, n]` (the extra token s_{m+n+1} was drawn from
+the target's law there), so no target call is added. Head k then proposes token
+s_{m+n+1+k}, for k = 1 .. gamma: the chain's first token follows the extra
+token. Before the first target call there is no state yet; the heads then read
+zeros (a fixed guess that the verifier simply rejects when wrong; the output law
+is unchanged).
 
 At temperature 0 each head proposes its argmax (q None); otherwise x_k is
 drawn from head k's adjusted law q_k (the same `Sampling` as the target's), so
@@ -19,14 +20,27 @@ depend on x_1 .. x_{k-1}: any proposal law is fine if it is the one used).
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal, Verdict
+
+
+@runtime_checkable
+class MedusaNetwork(Protocol):
+  """What `MedusaDrafter` asks of its draft "model" (`heads.medusa.MedusaHeads`)."""
+  num_heads: int
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless the heads read this target's decoder states."""
+
+  def logits(self, params, target, target_params, hidden):
+    """hidden [..., D] (the target's final decoder states) -> logits [..., K, V]."""
 
 
 @registry.drafter("medusa")
@@ -35,8 +49,7 @@ class MedusaDrafter(Drafter):
   """Proposes gamma <= K tokens from the K Medusa heads (the loop's draft model)."""
 
   def check_models(self, target, draft) -> None:
-    from spec_decode.heads.medusa import MedusaHeads
-    if not isinstance(draft, MedusaHeads):
+    if not isinstance(draft, MedusaNetwork):
       raise ValueError(f"MedusaDrafter needs Medusa heads as the draft model "
                        f"(spec_decode.heads.medusa), got {type(draft).__name__}")
     draft.check_target(target)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal
 
@@ -50,6 +50,14 @@ class ModelDrafter(Drafter):
     out = draft.decode(params, cache.rewind(jnp.maximum(m - 1, 0)), tokens)
     logits = jnp.where(first[:, None], out.logits[:, 0], out.logits[:, 1])
     return logits, out.cache.rewind(jnp.where(first, 1, m + 1))
+
+  def proposal_loop(self, workload, *, gamma: int, steps: int):
+    """gamma single-token steps of the draft model per proposal: the paper's cost gamma T_q,
+    so c = T_q / T_p (a proposal's first call feeds two tokens, which on the targets'
+    scale costs about one step)."""
+    loop = workload.decode_loop("draft", num_tokens=1, steps=gamma * steps)
+    loop.steps = steps
+    return loop
 
   def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
     draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling

@@ -1,7 +1,7 @@
 """Drafting with DeepSeek-V3-style sequential MTP modules (`heads.mtp`).
 
-`ctx.draft` is a `heads.mtp.MtpModules` (D modules) and `ctx.draft_params`
-their parameters; the modules read the target's embeddings and LM head from
+`ctx.draft` is a stack of D modules (`MtpNetwork`, e.g. `heads.mtp.MtpModules`) and
+`ctx.draft_params` their parameters; the modules read the target's embeddings and LM head from
 `ctx.target_params` and cross-attend to `ctx.encode("target")`.
 
 Module k at position t reads (h^{k-1}_t, s_{t+k}), so its entry at t is made
@@ -35,16 +35,35 @@ verifier's rejection sampling stays exact. Unsharded runs only (mesh=None).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Committed, Proposal
-from spec_decode.heads import mtp
+
+
+@runtime_checkable
+class MtpNetwork(Protocol):
+  """What `MtpDrafter` asks of its draft "model" (`heads.mtp.MtpModules`): D sequential
+  modules over the target's final decoder states."""
+  config: Any  # its dtype: config.dtype
+  d_model: int
+  num_modules: int
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless the modules read this target's states and LM head."""
+
+  def init_caches(self, params, encoded, max_length: int, num: int):
+    """Empty self-attention caches of modules 1 .. num."""
+
+  def window_step(self, params, k: int, cache, states_BWD, tokens_BW, at_B, target,
+                  target_params):
+    """Module k over a window: (its states [B, W, D], its cache, logits [B, V] at at_B)."""
 
 
 @flax.struct.dataclass
@@ -72,7 +91,7 @@ class MtpDrafter(Drafter):
   """Proposes gamma <= D tokens from D sequential MTP modules; see the module doc."""
 
   def check_models(self, target, draft) -> None:
-    if not isinstance(draft, mtp.MtpModules):
+    if not isinstance(draft, MtpNetwork):
       raise ValueError(f"MtpDrafter needs MTP modules (spec_decode.heads.mtp) as the draft "
                        f"model, got {type(draft).__name__}")
     draft.check_target(target)

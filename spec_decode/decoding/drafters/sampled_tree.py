@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.drafters.tree import TreeState, catch_up
 from spec_decode.decoding.runner import is_int
 from spec_decode.decoding.types import Committed, Proposal

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
-from spec_decode.decoding.drafters import Drafter
+from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.runner import is_int
 from spec_decode.decoding.types import Committed, Proposal
 
@@ -92,6 +92,15 @@ class TreeDrafter(Drafter):
 
   def proposal_size(self, gamma: int) -> int:
     return self.budget
+
+  def expected_tokens(self, *, alpha, gamma, counters=None):
+    """The tree's own prediction from the draft's confidences: 1 + the summed node
+    confidences per target call (`draft_mass_at`: under SpecExec's rule a node is reached
+    with the target's path probability, which the draft's stands in for;
+    `theory.tree_budget_choice`); None without those counters."""
+    if not counters or "draft_mass_at" not in counters or not counters.get("target_calls"):
+      return None
+    return 1.0 + float(sum(counters["draft_mass_at"])) / float(counters["target_calls"])
 
   def init(self, ctx, room: int) -> TreeState:
     cache = ctx.start_cache("draft", room)

@@ -12,38 +12,22 @@ positions at or past that length are padding, never accepted, and decisions
 count only proposed positions.
 
 Adding one: a new file here with a `Verifier` subclass under
-`@registry.verifier("name")`, plus its import line below.
+`@registry.verifier("name")`; every module of this package is imported with it, so
+the verifier is registered by name (and gin-configurable) without another edit.
+The base class is in `base.py`.
 """
 
-from __future__ import annotations
+import importlib
+import pkgutil
 
-import dataclasses
-from typing import ClassVar
+from spec_decode.decoding.verifiers.base import Verifier
 
-from spec_decode.decoding.types import Proposal, Verdict
+for _module in pkgutil.iter_modules(__path__):  # registration: every verifier module
+  importlib.import_module(f"{__name__}.{_module.name}")
 
-
-@dataclasses.dataclass(frozen=True)
-class Verifier:
-  """Base class; see the module doc. supports_lenience: accepts lenience < 1."""
-  supports_lenience: ClassVar[bool] = False
-  chain_only: ClassVar[bool] = True
-  # At temperature 0 (one-hot p and q) the verifier is exact matching of the chain
-  # against the target's argmax; the loop then calls `greedy_verdict` and never
-  # builds p. A verifier that decides otherwise at temperature 0 sets this False.
-  greedy_is_matching: ClassVar[bool] = True
-
-  def check_drafter(self, drafter) -> None:
-    """Raises ValueError when this verifier is not exact for `drafter`'s proposals."""
-
-  def verify(self, p, proposal: Proposal, accept_keys, correct_keys, *, sampling,
-             lenience: float = 1.0) -> Verdict:
-    raise NotImplementedError
-
-
-from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402  registration
-from spec_decode.decoding.verifiers.tree import TreeVerifier  # noqa: E402  registration
-from spec_decode.decoding.verifiers.block import BlockVerifier  # noqa: E402  registration
-from spec_decode.decoding.verifiers.tree_rrs import TreeRRSVerifier  # noqa: E402  registration
+from spec_decode.decoding.verifiers.block import BlockVerifier  # noqa: E402
+from spec_decode.decoding.verifiers.chain import ChainVerifier  # noqa: E402
+from spec_decode.decoding.verifiers.tree import TreeVerifier  # noqa: E402
+from spec_decode.decoding.verifiers.tree_rrs import TreeRRSVerifier  # noqa: E402
 
 __all__ = ["Verifier", "BlockVerifier", "ChainVerifier", "TreeRRSVerifier", "TreeVerifier"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from spec_decode.decoding import registry
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Proposal, Verdict
-from spec_decode.decoding.verifiers import Verifier
+from spec_decode.decoding.verifiers.base import Verifier
 
 
 def take(probs_BKV, tokens_BK):

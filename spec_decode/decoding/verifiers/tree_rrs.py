@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from spec_decode.decoding import registry
 from spec_decode.decoding.sampling import draw
 from spec_decode.decoding.types import Proposal, Verdict
-from spec_decode.decoding.verifiers import Verifier
+from spec_decode.decoding.verifiers.base import Verifier
 
 
 def _normalized(x, fallback):
@@ -69,7 +69,7 @@ class TreeRRSVerifier(Verifier):
                        f"{self.with_replacement!r}")
 
   def check_drafter(self, drafter) -> None:
-    draws = getattr(drafter, "sibling_draws", None)  # None: a chain or a deterministic tree
+    draws = drafter.sibling_draws  # None: a chain or a deterministic tree
     want = "with_replacement" if self.with_replacement else "without_replacement"
     if draws is not None and draws != want:
       raise ValueError(f"TreeRRSVerifier(with_replacement={self.with_replacement}) is exact "

@@ -1,6 +1,6 @@
 """Training DeepSeek-V3-style sequential MTP modules on a frozen target.
 
-    python -m spec_decode.heads.train_mtp --gin_file=configs/demo/ende_mtp.gin
+    python -m spec_decode.cli.train --gin_file=configs/demo/ende_mtp.gin
 
 The frozen target runs teacher-forced on each batch's decoder inputs s_0 ..
 s_{T-1} (the task's targets, or the target's own greedy outputs with
@@ -18,9 +18,9 @@ perfect fit).
 
 DeepSeek-V3 trains the modules jointly with the main model on data labels with
 equal weights; here the target is frozen and later depths weigh less (a
-drafted chain stops at its first rejection). The train state is checkpointed
-in `workdir` with Orbax (runs resume exactly); the modules are exported with
-`heads.mtp.save` (T5X format plus their config).
+drafted chain stops at its first rejection). A recipe on the shared head trainer
+(`train.heads.train_head`): runs resume exactly from `workdir`, and the modules are
+exported in the one format of draft heads (`checkpoints.heads`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ import functools
 
 import jax.numpy as jnp
 
+from spec_decode import configurable
 from spec_decode.heads import mtp
-from spec_decode.heads.train_eagle import (HeadRecipe, HeadTrainConfig, HeadTrainResult,
-                                           distill_terms, shift_left, target_features,
-                                           train_frozen_head)
+from spec_decode.train.heads import (HeadRecipe, HeadTrainConfig, HeadTrainResult, distill_terms,
+                                     shift_left, target_features, train_head)
 
 
+@configurable.register(runnable=True)
 @dataclasses.dataclass(frozen=True)
 class MtpTrainConfig(HeadTrainConfig):
   """An MTP-module training run (`HeadTrainConfig` plus num_modules D and depth_decay, the
@@ -51,6 +52,10 @@ class MtpTrainConfig(HeadTrainConfig):
       raise ValueError("set MtpTrainConfig.num_modules, not head['num_modules']")
     if not 0.0 < self.depth_decay <= 1.0:
       raise ValueError(f"MtpTrainConfig needs 0 < depth_decay <= 1, got {self.depth_decay}")
+
+  def run(self, **kw) -> HeadTrainResult:
+    """Trains MTP modules (`train`): what the command line runs with this config."""
+    return train(self, **kw)
 
 
 def mtp_loss(modules: mtp.MtpModules, params, target, target_params, batch, *,
@@ -71,8 +76,8 @@ def mtp_loss(modules: mtp.MtpModules, params, target, target_params, batch, *,
   return total / norm, metrics
 
 
-def train_modules(cfg: MtpTrainConfig, **kw) -> HeadTrainResult:
-  """Trains MTP modules (`train_eagle.train_frozen_head`'s keyword arguments)."""
+def train(cfg: MtpTrainConfig, **kw) -> HeadTrainResult:
+  """Trains MTP modules (`train_head`'s keyword arguments)."""
   D = cfg.num_modules
   recipe = HeadRecipe(
       what="MTP modules",
@@ -80,19 +85,5 @@ def train_modules(cfg: MtpTrainConfig, **kw) -> HeadTrainResult:
           target.config, num_modules=D, **dict(cfg.head))),
       loss=functools.partial(mtp_loss, depth_decay=cfg.depth_decay),
       describe=lambda m: (f"loss {m['loss']:.4f} agree_1 {m['agree_1']:.3f} agree_{D} "
-                          f"{m[f'agree_{D}']:.3f}"),
-      save=mtp.save)
-  return train_frozen_head(cfg, recipe, **kw)
-
-
-def run_cli() -> None:
-  """`python -m spec_decode.heads.train_mtp --gin_file=... [--gin.NAME=VALUE]`."""
-  from spec_decode import gin_config
-  gin_config.run_trainer("spec_decode.heads.train_mtp", MtpTrainConfig, "MtpTrainConfig",
-                         "configs/demo/ende_mtp.gin",
-                         lambda cfg: train_modules(cfg, report=lambda s: print(s, flush=True)))
-
-
-if __name__ == "__main__":
-  from spec_decode.heads import train_mtp as _train_mtp
-  _train_mtp.run_cli()
+                          f"{m[f'agree_{D}']:.3f}"))
+  return train_head(cfg, recipe, **kw)

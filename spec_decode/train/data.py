@@ -1,6 +1,6 @@
 """Tokenized, padded training batches for a text-to-text task, deterministic by step.
 
-`TokenizedSplit` holds one split as lists of token ids (targets end with EOS).
+A split is a `data.tokenized.TokenizedSplit` (token ids; targets end with EOS).
 `batch_at(split, step, ...)` returns the batch a run sees at `step`: epochs are
 permutations drawn from (seed, epoch), so a resumed run continues with exactly
 the batches an uninterrupted run would have used. Each batch is padded to the
@@ -14,52 +14,19 @@ real target tokens, EOS included).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from spec_decode.models.t5 import BOS_ID, EOS_ID
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedSplit:
-  """inputs, targets: tuples of token-id tuples (targets end with EOS)."""
-  inputs: tuple[tuple[int, ...], ...]
-  targets: tuple[tuple[int, ...], ...]
-
-  def __post_init__(self):
-    if len(self.inputs) != len(self.targets) or not self.inputs:
-      raise ValueError(f"need as many inputs as targets and at least one example, got "
-                       f"{len(self.inputs)} inputs and {len(self.targets)} targets")
-
-  def __len__(self) -> int:
-    return len(self.inputs)
-
-
-def tokenize(examples: Sequence[Mapping[str, str]], encode: Callable[[str], Sequence[int]],
-             *, input_prefix: str = "") -> TokenizedSplit:
-  """Encodes {'inputs', 'targets'} examples; appends EOS to both sides (as seqio does)."""
-  ins = tuple(tuple(encode(input_prefix + ex["inputs"])) + (EOS_ID,) for ex in examples)
-  outs = tuple(tuple(encode(ex["targets"])) + (EOS_ID,) for ex in examples)
-  return TokenizedSplit(ins, outs)
-
-
-def _pad(rows: Sequence[Sequence[int]], cap: int, multiple: int) -> np.ndarray:
-  longest = min(max(len(r) for r in rows), cap)
-  width = min(cap, -(-longest // multiple) * multiple)
-  out = np.zeros((len(rows), width), np.int32)
-  for i, r in enumerate(rows):
-    r = list(r)[:width]
-    out[i, :len(r)] = r
-  return out
+from spec_decode.data.tokenized import TokenizedSplit, pad_rows
+from spec_decode.models.t5 import BOS_ID
 
 
 def make_batch(split: TokenizedSplit, indices: Sequence[int], *, input_length: int,
                target_length: int, pad_multiple: int = 16) -> dict[str, np.ndarray]:
   """The padded batch of the given example indices."""
-  enc = _pad([split.inputs[i] for i in indices], input_length, pad_multiple)
-  tgt = _pad([split.targets[i] for i in indices], target_length, pad_multiple)
+  enc = pad_rows([split.inputs[i] for i in indices], input_length, pad_multiple)
+  tgt = pad_rows([split.targets[i] for i in indices], target_length, pad_multiple)
   dec_in = np.concatenate([np.full((len(indices), 1), BOS_ID, np.int32), tgt[:, :-1]], axis=1)
   lengths = np.array([min(len(split.targets[i]), tgt.shape[1]) for i in indices])
   weights = (np.arange(tgt.shape[1])[None, :] < lengths[:, None]).astype(np.float32)

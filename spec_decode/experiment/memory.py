@@ -1,6 +1,6 @@
 """Per-device memory plan of a sharded decode, without allocating anything.
 
-  python -m spec_decode.memory --target=t5_1_1_xxl --draft=t5_1_1_small \\
+  python -m spec_decode.cli.memory --target=t5_1_1_xxl --draft=t5_1_1_small \\
       --mesh=data=1,model=8 --batch=1 --input_len=512 --output_len=256 --gamma=7 \\
       --dtype=bfloat16
 
@@ -20,13 +20,12 @@ What is computed how (all per device):
     the weights as temporaries, which no TPU or GPU does. In float32 every
     activation is twice its bfloat16 size (logits and probabilities are
     float32 either way), so the working memory is an upper bound for bfloat16.
-  * depth: by default the program has the models' full depth (about half a
-    minute for XXL + small on a 2-core CPU). --depth=N compiles N layers per
-    stack instead (a few seconds, for CI): params and caches stay exact, but
-    the working memory is then that of the shallower program, which
-    underestimates it: buffer reuse across the unrolled layers is not linear
-    in depth (XXL + small, batch 32, model=8: 0.76 GiB at depth 1, 2.12 GiB at
-    full depth; see experiments/results/memory_xxl.md).
+  * depth: by default the program has the models' full depth (slow to compile for
+    XXL + small). --depth=N compiles N layers per stack instead (fast, for CI):
+    params and caches stay exact, but the working memory is then that of the
+    shallower program, which underestimates it: buffer reuse across the unrolled
+    layers is not linear in depth (XXL + small, batch 32, model=8: 0.76 GiB at
+    depth 1, 2.12 GiB at full depth; see experiments/results/memory_xxl.md).
   * Meshes are simulated on CPU devices (--xla_force_host_platform_device_count,
     set by re-executing the command when too few devices are visible), so the
     working memory is XLA:CPU's buffer assignment, an estimate for TPU/GPU.
@@ -35,15 +34,11 @@ What is computed how (all per device):
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 
 from spec_decode import decoding, partitioning
 from spec_decode.decoding.sampling import Sampling
@@ -285,90 +280,3 @@ def describe(p: MemoryPlan) -> str:
           f"{p.output_len}, gamma {p.gamma}; target params {p.target_params_total / 1e9:.2f} GB "
           f"total, draft {p.draft_params_total / 1e9:.3f} GB total; working memory compiled "
           f"in {p.compile_dtype} at {depth}; GiB per device")
-
-
-# ------------------------------------------------------------------ command
-_DEFAULT_MESHES = ["data=1,model=8"]
-
-
-def _define_flags():
-  flags.DEFINE_string("target", "t5_1_1_xxl", "Target preset.")
-  flags.DEFINE_string("draft", "t5_1_1_small", "Draft preset, or 'none' (autoregressive).")
-  flags.DEFINE_multi_string("mesh", _DEFAULT_MESHES, "Mesh spec(s), e.g. data=1,model=8.")
-  flags.DEFINE_multi_integer("batch", [1], "Batch size(s).")
-  flags.DEFINE_integer("input_len", 512, "Encoder tokens per row.")
-  flags.DEFINE_integer("output_len", 256, "max_decode_len.")
-  flags.DEFINE_integer("gamma", 7, "Draft tokens per target call.")
-  flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
-  flags.DEFINE_string("compile_dtype", "float32", "dtype of the compiled program (docstring).")
-  flags.DEFINE_integer("depth", None, "Compile this many layers per stack (default: full).")
-  flags.DEFINE_string("json_out", None, "Also write the plans as JSON here.")
-  flags.DEFINE_string("from_json", None, "Print the tables of plans saved by --json_out "
-                      "(nothing is compiled; the other flags are ignored).")
-
-
-def _ensure_devices(needed: int) -> None:
-  """Re-executes on `needed` simulated CPU devices when fewer devices are visible."""
-  if jax.device_count() >= needed:
-    return
-  if os.environ.get("_SPEC_DECODE_MEMORY_REEXEC"):
-    raise RuntimeError(f"need {needed} devices, have {jax.device_count()}")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", _SPEC_DECODE_MEMORY_REEXEC="1")
-  flag = f"--xla_force_host_platform_device_count={needed}"
-  env["XLA_FLAGS"] = " ".join(
-      [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-      + [flag])
-  sys.stdout.flush()
-  os.execve(sys.executable, [sys.executable, "-m", "spec_decode.memory", *sys.argv[1:]], env)
-
-
-def main(argv):
-  from spec_decode import cli
-  with cli.handle_errors("spec_decode.memory"):
-    cli.quiet_logging()
-    _main(argv)
-
-
-def _main(argv):
-  FLAGS = flags.FLAGS
-  if FLAGS.from_json:
-    with open(FLAGS.from_json) as f:
-      _print_report([MemoryPlan.from_dict(d) for d in json.load(f)])
-    return
-  if any("-1" in m for m in FLAGS.mesh):
-    raise ValueError("memory planning needs explicit mesh sizes (no -1)")
-  sizes = [partitioning.parse_mesh_spec(m, 1 << 30) for m in FLAGS.mesh]
-  del argv
-  _ensure_devices(max(int(np.prod(list(s.values()))) for s in sizes))
-  dtype = jnp.dtype(FLAGS.dtype)
-  target = t5.T5Config.preset(FLAGS.target, dtype=dtype)
-  draft = None if FLAGS.draft == "none" else t5.T5Config.preset(FLAGS.draft, dtype=dtype)
-  plans = []
-  for spec in FLAGS.mesh:
-    mesh = partitioning.make_mesh(spec)
-    for batch in FLAGS.batch:
-      plans.append(plan(target, draft, mesh, batch=batch, input_len=FLAGS.input_len,
-                        output_len=FLAGS.output_len, gamma=FLAGS.gamma, depth=FLAGS.depth,
-                        compile_dtype=jnp.dtype(FLAGS.compile_dtype),
-                        names=(FLAGS.target, FLAGS.draft)))
-      print(f"planned mesh {spec} batch {batch}", file=sys.stderr, flush=True)
-  _print_report(plans)
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, "w") as f:
-      json.dump([dict(dataclasses.asdict(p), peak=p.peak, peak_low=p.peak_low) for p in plans],
-                f, indent=1)
-
-
-def _print_report(plans: Sequence[MemoryPlan]) -> None:
-  print(describe(plans[0]))
-  print()
-  print(format_table(plans))
-  print()
-  print(format_fits(plans))
-
-
-if __name__ == "__main__":
-  from spec_decode import cli as _cli
-  _define_flags()
-  _cli.define_flags()
-  app.run(main)

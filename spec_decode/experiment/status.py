@@ -24,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from spec_decode import data, results
+from spec_decode import data
+from spec_decode.experiment import results
 
 
 def resume_state(total: int, todo: int, predictions_path: str) -> dict[str, Any]:

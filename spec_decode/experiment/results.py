@@ -146,13 +146,26 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
     with open(path, encoding="utf-8") as f:
       previous = json.load(f)
     skip = set(may_differ)
-    changed = sorted(k for k in set(previous) | set(config)
-                     if k not in skip and previous.get(k) != config.get(k))
+    old = _dotted({k: v for k, v in previous.items() if k not in skip})
+    new = _dotted({k: v for k, v in config.items() if k not in skip})
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if changed:
-      detail = "; ".join(f"{k}: {previous.get(k)!r} -> {config.get(k)!r}" for k in changed)
+      detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
       raise ValueError(f"{output_dir} holds a run of a different experiment ({detail}); "
                        f"use a new output_dir or restore the settings to resume")
   write_json(path, config)
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{dotted key: leaf} of nested dicts (a changed decoder's gamma reads
+  'decoders.speculative.gamma')."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping) and v:
+      out.update(_dotted(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 # ---------------------------------------------------------------- one run at a time

@@ -4,9 +4,10 @@
   ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 259}, seed=0)  # random init
   ModelSpec(kind="ngram", options={"order": 2})                       # fit on the task
 
-`load(spec, ...)` returns (model, params) for any registered `kind`; a new
-drafter kind registers its loader with `register_kind` and the experiment
-code does not change. Loaders receive a `LoadContext`: the role ('target' or
+`load(spec, ...)` returns (model, params) for any registered `kind`: a draft head's
+network registers its kind where it is defined (`checkpoints.heads.register`, e.g.
+'eagle', 'mtp', 'medusa'), any other kind its loader with `register_kind`; the
+experiment code does not change. Loaders receive a `LoadContext`: the role ('target' or
 'draft'), the vocabulary size to match, a mesh, and a way to read the task's
 token sequences (for drafters fit on data).
 """
@@ -21,15 +22,20 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+import spec_decode.heads  # noqa: F401  (every head network registers its checkpoint kind)
+from spec_decode import configurable
+from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.models import offload, t5
+from spec_decode.paths import resolve_checkpoint
 
 
+@configurable.register
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """A model to load.
 
-  kind: 't5', 'ngram', 'medusa', 'eagle' or 'mtp' (heads.medusa / heads.eagle / heads.mtp
-    checkpoints; each decodes with its own drafter) or any kind added with `register_kind`.
+  kind: 't5', 'ngram', a draft head's kind ('eagle', 'mtp', 'medusa': a `checkpoints.heads`
+    directory; each decodes with its own drafter) or any kind added with `register_kind`.
   checkpoint: path of a checkpoint (T5X legacy, T5X Orbax or Hugging Face dir).
   preset: a `T5Config` preset; without a checkpoint the model is randomly
     initialized from `seed`; with one, the loaded shapes must match it.
@@ -130,32 +136,21 @@ def register_kind(kind: str, loader: Loader) -> None:
 
 
 def load(spec: ModelSpec, context: LoadContext) -> tuple[Any, Any]:
-  """(model, params) for `spec`; the model implements the `Decoder` protocol."""
+  """(model, params) for `spec`: a `Decoder`, or a draft head its drafter reads."""
   if not isinstance(spec, ModelSpec):
     raise ValueError(f"{context.role} must be a ModelSpec, got {type(spec).__name__}")
-  if spec.kind not in _LOADERS:
+  if spec.kind in _LOADERS:
+    loader = _LOADERS[spec.kind]
+  elif spec.kind in head_checkpoints.kinds():
+    loader = _load_head
+  else:
     raise ValueError(f"unknown model kind {spec.kind!r} for the {context.role}; "
-                     f"known: {sorted(_LOADERS)}")
-  model, params = _LOADERS[spec.kind](spec, context)
+                     f"known: {sorted(set(_LOADERS) | set(head_checkpoints.kinds()))}")
+  model, params = loader(spec, context)
   if context.vocab_size is not None and model.vocab_size != context.vocab_size:
     raise ValueError(f"the {context.role} ({spec.label}) has vocab_size {model.vocab_size}, "
                      f"expected {context.vocab_size}")
   return model, params
-
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def resolve_checkpoint(path) -> str:
-  """`path` itself if it exists (or is a URL), else relative to the repository root if there.
-
-  So configs can name the shipped demo_models/... and run from any directory.
-  """
-  path = os.fspath(path)
-  if "://" in path or os.path.isabs(path) or os.path.exists(path):
-    return path
-  in_repo = os.path.join(_REPO_ROOT, path)
-  return in_repo if os.path.exists(in_repo) else path
 
 
 def checkpoint_fingerprint(spec: ModelSpec, *, small_file_bytes: int = 1 << 20) -> str | None:
@@ -247,39 +242,16 @@ def _load_ngram(spec: ModelSpec, context: LoadContext):
   return model, params
 
 
-def _load_medusa(spec: ModelSpec, context: LoadContext):
-  from spec_decode.heads import medusa
-  if spec.checkpoint is None:
-    raise ValueError(f"a medusa {context.role} needs checkpoint= (a directory written by "
-                     "spec_decode.heads.medusa.save)")
-  return medusa.load(resolve_checkpoint(spec.checkpoint))
-
-
-def _check_head_spec(spec: ModelSpec, context: LoadContext, kind: str, what: str) -> None:
+def _load_head(spec: ModelSpec, context: LoadContext):
+  """A draft head of a registered kind (`checkpoints.heads`: EAGLE, MTP, Medusa), which
+  decodes with its own drafter."""
   if spec.checkpoint is None or spec.preset is not None or spec.config or spec.options:
-    raise ValueError(f"an {kind} {context.role} is a head checkpoint: give ModelSpec.checkpoint "
-                     "only (no preset, config or options)")
-  if context.mesh is not None:
-    raise ValueError(f"{what} decode unsharded only (no mesh)")
+    raise ValueError(f"a {spec.kind} {context.role} is a head checkpoint: give "
+                     "ModelSpec.checkpoint only (no preset, config or options)")
   check_checkpoint(spec, context.role)
-
-
-def _load_eagle(spec: ModelSpec, context: LoadContext):
-  """An EAGLE head (`heads.eagle.save`'s directory); decodes with EagleDrafter only."""
-  from spec_decode.heads import eagle
-  _check_head_spec(spec, context, "eagle", "EAGLE heads")
-  return eagle.load(resolve_checkpoint(spec.checkpoint), dtype=spec.dtype)
-
-
-def _load_mtp(spec: ModelSpec, context: LoadContext):
-  """MTP modules (`heads.mtp.save`'s directory); decode with MtpDrafter only."""
-  from spec_decode.heads import mtp
-  _check_head_spec(spec, context, "mtp", "MTP modules")
-  return mtp.load(resolve_checkpoint(spec.checkpoint), dtype=spec.dtype)
+  return head_checkpoints.load(resolve_checkpoint(spec.checkpoint), kind=spec.kind,
+                               dtype=spec.dtype)
 
 
 register_kind("t5", _load_t5)
 register_kind("ngram", _load_ngram)
-register_kind("medusa", _load_medusa)
-register_kind("eagle", _load_eagle)
-register_kind("mtp", _load_mtp)

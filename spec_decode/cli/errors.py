@@ -1,4 +1,4 @@
-"""What the command lines (`main`, `train`, `memory`) share: errors and console output.
+"""What the command lines share: errors and console output.
 
 A known error -- bad input the person running the command can fix -- ends the
 command with ONE line on stderr naming the problem (and, where the message
@@ -6,7 +6,7 @@ has one, the fix) and exit code 2; `--verbose` adds the traceback. Anything
 else is a bug and keeps Python's traceback (exit code 1).
 
   def main(argv):
-    with cli.handle_errors("spec_decode.main"):
+    with errors.handle_errors("spec_decode.main"):
       ...
 
 Known errors are `KNOWN_ERRORS`: ValueError (which CheckpointError and gin's
@@ -15,7 +15,7 @@ SyntaxError from gin's parser, and ImportError of an optional extra (the line
 says which extra to install).
 
 `quiet_logging()` keeps INFO chatter (JAX's platform probing, TensorFlow's CUDA
-probing) off the console unless --verbose; `status(msg)` prints a progress line.
+probing) off the console unless --verbose.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ EXTRAS = {
 
 
 def define_flags() -> None:
-  """--verbose (once per process; the command lines call this at import)."""
+  """--verbose (once per process; each command defines it when it runs)."""
   if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, "on an error, print the traceback; log at INFO")
 
@@ -105,9 +105,3 @@ def quiet_logging() -> None:
   for name in ("jax._src.xla_bridge", "jax"):
     py_logging.getLogger(name).setLevel(py_logging.WARNING)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's C++ CUDA probing
-
-
-def status(message: str, *, enabled: bool = True) -> None:
-  """A progress line on stderr (the results go to stdout)."""
-  if enabled:
-    print(f"[spec_decode] {message}", file=sys.stderr, flush=True)

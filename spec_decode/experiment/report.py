@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from spec_decode import data, metrics, theory
+from spec_decode import data, metrics
 
 TASK_LABELS = {"wmt_t2t_ende_v003": "EnDe", "cnn_dailymail_v002": "CNNDM",
                "synthetic_ende": "EnDe (synthetic)", "synthetic_cnndm": "CNNDM (synthetic)"}
@@ -44,8 +44,9 @@ def table_row(config, summary: Mapping[str, Any]) -> str:
   """
   algo = config.algorithms[config.primary]
   draft = config.draft.label if config.draft is not None else "-"
+  gamma = "-" if algo.gamma is None else algo.gamma
   return (f"| {TASK_LABELS.get(config.task, config.task)} | {draft} | "
-          f"{config.temperature:g} | {getattr(algo, 'gamma', '-')} | {_fmt(summary['alpha'])} | "
+          f"{config.sampling.temperature:g} | {gamma} | {_fmt(summary['alpha'])} | "
           f"{_fmt(summary['timing'].get('c'), 3)} | {_fmt(summary['speedup_predicted'])} | "
           f"{_fmt(summary['speedup_measured'])} |")
 
@@ -57,37 +58,72 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
   stats = [r["decoders"][name]["stats"] for r in done]
   lengths = [r["decoders"][name]["length"] for r in done]
   d: dict[str, Any] = {"algorithm": type(algo).__name__}
-  if stats and all(k in stats[0] for k in _ACCEPTANCE):
-    d.update(metrics.acceptance(**{k: [st[k] for st in stats] for k in _ACCEPTANCE},
-                                lengths=lengths))
-    d["alpha"] = d["alpha_estimated"]
-    if "draft_tokens" in stats[0]:  # mean proposed length (an adaptive drafter varies it)
-      calls = sum(st["target_calls"] for st in stats)
-      d["drafted_per_target_call"] = (sum(st["draft_tokens"] for st in stats) / calls
-                                      if calls else float("nan"))
-    if "accepted_at" in stats[0]:
-      d["per_position_acceptance"] = metrics.per_position_acceptance(
-          np.sum([st["accepted_at"] for st in stats], axis=0),
-          np.sum([st["decided_at"] for st in stats], axis=0))
-  baseline = cfg.baseline
+  d.update(acceptance_summary(stats, lengths))
+  baseline = cfg.baseline_name
   d["speedup_measured"] = d["identical_fraction"] = None
   if baseline is not None:
     d["speedup_measured"] = seconds[baseline] / seconds[name] if seconds[name] > 0 else None
     d["identical_fraction"] = metrics.identical_fraction(
         [r["decoders"][baseline]["tokens"] for r in done],
         [r["decoders"][name]["tokens"] for r in done])
-  alpha, c = d.get("alpha"), step_times.get("c")
-  size = getattr(algo, "max_proposal", None)
+  alpha, t_p = d.get("alpha"), step_times.get("target_step_seconds")
+  proposal = step_times.get("proposal_seconds", {}).get(name)
+  size = algo.max_proposal
   ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
   model = None
-  if alpha is not None and not math.isnan(alpha) and c is not None and ratio is not None:
-    model = algo.cost_model(alpha=alpha, c=c, verify_ratio=ratio)
+  if alpha is not None and not math.isnan(alpha) and None not in (proposal, t_p, ratio):
+    model = algo.cost_model(alpha=alpha, draft_cost=proposal / t_p, verify_ratio=ratio,
+                            counters=_summed(stats))
+  d["c"] = step_times.get("c_by_decoder", {}).get(name)
   d["cost_model"] = model  # None where the algorithm declares none (or alpha is unknown)
   d["speedup_predicted"] = model["thm_3_8"] if model else None
   d["cost_model_speedup"] = model["cost_model"] if model else None
   d["expected_tokens_per_call"] = model["expected_tokens"] if model else None
-  d["optimal_gamma"] = int(theory.optimal_gamma(alpha, c)) if model else None
+  d["optimal_gamma"] = model.get("optimal_gamma") if model else None
   return d
+
+
+def row_stats(stats, r: int) -> dict[str, Any]:
+  """Row r's counters of `stats` (a `DecodeStats`) as JSON values (ints, floats, or lists for
+  per-position ones): what a prediction row keeps."""
+  out = {}
+  for name, v in stats.counters.items():
+    x = np.asarray(v)[r]
+    out[name] = x.tolist() if x.ndim else (float(x) if x.dtype.kind == "f" else int(x))
+  return out
+
+
+def acceptance_summary(stats: Sequence[Mapping[str, Any]], lengths: Sequence[int]
+                       ) -> dict[str, Any]:
+  """One decoder's acceptance statistics from its rows' counters (`DecodeStats` as JSON
+  values, one dict per row) and output lengths: `metrics.acceptance` (alpha observed and
+  estimated, tokens per target call, ...) with alpha = the estimate, the mean drafted
+  length per call and the per-position acceptance, where the decoder counts them ({} for
+  one that counts no acceptance, the baseline)."""
+  d: dict[str, Any] = {}
+  if not stats or not all(k in stats[0] for k in _ACCEPTANCE):
+    return d
+  d.update(metrics.acceptance(**{k: [st[k] for st in stats] for k in _ACCEPTANCE},
+                              lengths=lengths))
+  d["alpha"] = d["alpha_estimated"]
+  if "draft_tokens" in stats[0]:  # mean proposed length (an adaptive drafter varies it)
+    calls = sum(st["target_calls"] for st in stats)
+    d["drafted_per_target_call"] = (sum(st["draft_tokens"] for st in stats) / calls
+                                    if calls else float("nan"))
+  if "accepted_at" in stats[0]:
+    d["per_position_acceptance"] = metrics.per_position_acceptance(
+        np.sum([st["accepted_at"] for st in stats], axis=0),
+        np.sum([st["decided_at"] for st in stats], axis=0))
+  return d
+
+
+def _summed(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """Counters summed over rows (per-position ones elementwise, as lists)."""
+  if not stats:
+    return {}
+  return {k: (np.sum([st[k] for st in stats], axis=0).tolist()
+              if isinstance(stats[0][k], list) else sum(st[k] for st in stats))
+          for k in stats[0]}
 
 
 def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Example],
@@ -96,7 +132,7 @@ def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Ex
   """The results dict of an experiment (`cfg`: its ExperimentConfig) from its rows.
 
   metric_fns: the task's (targets, predictions) -> dict metrics. step_times:
-  `experiment.measure_step_times`. compile_times: this run's first-call and
+  `experiment.measure.measure_step_times`. compile_times: this run's first-call and
   compile seconds per decoder (empty when it decoded nothing).
   """
   done = [rows[ex.index] for ex in examples if ex.index in rows]
@@ -114,18 +150,18 @@ def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Ex
              for n in names}
   out: dict[str, Any] = {
       "experiment": cfg.to_json(), "num_examples": len(examples), "completed": len(done),
-      "baseline": cfg.baseline, "primary": cfg.primary,
+      "baseline": cfg.baseline_name, "primary": cfg.primary,
       "metrics": {n: metrics.quality(metric_fns, targets, col(n, "output")) for n in names},
       "mean_output_length": {n: float(np.mean(col(n, "length"))) for n in names},
       "decoders": {n: _decoder_summary(cfg, n, done, seconds, step_times)
-                   for n in names if n != cfg.baseline},
+                   for n in names if n != cfg.baseline_name},
   }
   out["timing"] = dict(step_times, **{f"{n}_seconds": seconds[n] for n in names},
                        first_call_seconds=dict(compile_times.get("first_call_seconds", {})),
                        compile_seconds=dict(compile_times.get("compile_seconds", {})))
   if cfg.baseline is not None:
     out["autoregressive_target_calls"] = int(sum(st["target_calls"] for st in
-                                                 col(cfg.baseline, "stats")))
+                                                 col(cfg.baseline_name, "stats")))
   primary = out["decoders"].get(cfg.primary, {})
   out.update({k: primary.get(k) for k in _PRIMARY_KEYS})
   out["table_row"] = table_row(cfg, out) if cfg.primary else ""

@@ -1,0 +1,194 @@
+r"""The experiment command: one experiment from gin configs, the baseline against named decoders.
+
+  python -m spec_decode.main \
+    --gin_file=configs/paper/ende_small_t0.gin \
+    --gin.CHECKPOINT_PATH="'gs://bucket/t5_1_1_xxl_ende/checkpoint_1010000'" \
+    --gin.DRAFT_CHECKPOINT_PATH="'gs://bucket/t5_1_1_small_ende/checkpoint_1010000'" \
+    --output_dir=/tmp/ende_small_t0
+
+--gin_file (repeatable) and --gin.NAME=VALUE (or --gin_bindings='NAME = VALUE')
+work as in T5X; files are found relative to the working directory or the
+repository root. Without --gin_file, configs/default.gin runs: the demo EnDe
+experiment on the shipped demo models (configs/demo/ende_experiment.gin).
+The gin files bind `ExperimentConfig` (see
+`spec_decode.experiment`), whose `target` and `draft` are `ModelSpec`s.
+`spec_decode/main.py` is this command's entry point; `run` is the same, callable from
+Python (its flags are defined only when the command runs: `define_flags`).
+
+Output directory (--output_dir; default <tmp>/spec_decode-<user>/<last gin file's name>-<hash
+of this checkout's path>, so checkouts and users never share one):
+  predictions.jsonl  one line per example: index, inputs, target, batch, and
+                     per decoder ("autoregressive", "speculative" or the
+                     names in ExperimentConfig.decoders) its output, tokens,
+                     length, its batch's seconds and its named counters
+                     (speculative: target_calls, draft_tokens, accepted,
+                     decisions, min_pq_sum, accepted_at/decided_at per draft
+                     position; trees also draft_mass_at); appended after every batch
+  config.json        the experiment's settings (a rerun must match them)
+  progress.json      completed / total examples
+  results.json       metrics of every decoder (BLEU or ROUGE); per decoder
+                     under 'decoders' and for the primary one at the top: identical
+                     fraction, alpha (observed and estimated), tokens per
+                     target call, per-position acceptance, step times and c,
+                     measured speedup and Thm 3.8's prediction, compile times
+  table_row.md       the paper's Table 4 header and this run's row
+  config.gin         gin's operative config of the run
+  runs.json          each run that decoded rows: host, devices, its c
+Rerunning with the same output_dir resumes and says so ("resuming K/N", or
+"already complete": nothing is decoded or re-measured); the summary is
+recomputed from all rows, each run's own timings listed (`experiment.status`).
+The directory is locked while a run writes to it; a second run is refused.
+
+Errors in what you typed (a gin binding, a path, a missing extra) end in one
+line naming the problem and exit code 2; --verbose shows the traceback.
+gin files are Python-like code that can call any registered configurable:
+run only gin files you trust.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import os
+import tempfile
+from typing import Sequence
+
+from absl import app, flags
+
+import jax
+
+from spec_decode import distributed, paths
+from spec_decode.cli import errors
+from spec_decode.cli import gin as gin_layer
+
+DEFAULT_GIN_FILE = "configs/default.gin"
+PROGRAM = "spec_decode.main"
+
+
+def define_flags() -> None:
+  """This command's flags (once per process; defined when the command runs, not on import)."""
+  if "output_dir" in flags.FLAGS:
+    return
+  gin_layer.define_flags("gin bindings, e.g. 'ExperimentConfig.batch_size = 4'")
+  flags.DEFINE_string("output_dir", None, "directory for predictions and results")
+  flags.DEFINE_bool("progress", True, "show progress lines and a progress bar")
+  errors.define_flags()  # --verbose
+  distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
+
+
+def default_output_dir(gin_files: Sequence[str]) -> str:
+  """<tmp>/spec_decode-<user>/<last gin file's name>-<hash of this checkout's path>."""
+  name = os.path.splitext(os.path.basename(gin_files[-1]))[0] if gin_files else "default"
+  try:
+    user = getpass.getuser()
+  except Exception:  # no user name in some containers
+    user = str(os.getuid())
+  checkout = hashlib.sha256(paths.REPO_ROOT.encode()).hexdigest()[:8]
+  return os.path.join(tempfile.gettempdir(), f"spec_decode-{user}", f"{name}-{checkout}")
+
+
+def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str | None, *,
+        show_progress: bool = True) -> dict:
+  """What the command does, callable from Python: parse the gin files into an
+  `ExperimentConfig` and run it (`gin_layer.run_experiment`) into output_dir (default:
+  `default_output_dir`)."""
+  gin_files = list(gin_files) or [DEFAULT_GIN_FILE]
+  output_dir = output_dir or default_output_dir(gin_files)
+  return gin_layer.run_experiment(gin_files, gin_bindings, output_dir,
+                                  show_progress=show_progress)
+
+
+def _x(value) -> str:
+  return "n/a" if value is None else f"{value:.2f}X"
+
+
+def _fmt3(x) -> str:
+  return "n/a" if x is None else f"{x:.3f}"
+
+
+def format_summary(summary: dict) -> str:
+  """The one block a person reads: where the files are, the numbers and what each means."""
+  from spec_decode.experiment import report
+  exp, timing = summary.get("experiment", {}), summary.get("timing", {})
+  temperature = exp.get("sampling", {}).get("temperature", 0.0)
+  primary = exp.get("decoders", {}).get(summary.get("primary")) or {}
+  out_dir = summary.get("output_dir")
+  lines = [f"== {exp.get('task')} ({exp.get('split')}): {summary.get('completed')} of "
+           f"{summary.get('num_examples')} examples, temperature {temperature:g}, "
+           f"gamma {primary.get('gamma')} =="]
+  if out_dir:
+    lines.append(f"files: {out_dir}/ (predictions.jsonl: one row per example; results.json: "
+                 "every number; table_row.md; config.gin)")
+  lines.append(report.TABLE_HEADER + summary["table_row"])
+  decoders = summary.get("decoders", {})
+  if len(decoders) > 1:  # named decoders: one line each, against the baseline
+    for name, d in decoders.items():
+      lines.append(f"decoder {name} ({d.get('algorithm')}): measured speedup "
+                   f"{_x(d.get('speedup_measured'))}, tokens per target call "
+                   f"{_fmt3(d.get('tokens_per_target_call'))}, identical "
+                   f"{_fmt3(d.get('identical_fraction'))}")
+  c = timing.get("c")
+  lines.append(f"measured speedup {_x(summary.get('speedup_measured'))}: autoregressive / "
+               "speculative decode time, summed over batches, compilation excluded")
+  if summary.get("speedup_predicted") is not None:
+    lines.append(f"predicted speedup {_x(summary['speedup_predicted'])}: Thm 3.8 from alpha "
+                 f"{summary['alpha']:.3f} and c {c:.3f} (below)")
+  if summary.get("cost_model_speedup") is not None and timing.get("verify_ratio"):
+    lines.append(f"cost model {_x(summary['cost_model_speedup'])}: E[tokens] / (gamma c + "
+                 f"T_verify(gamma+1) / T_p), charging the measured verify cost "
+                 f"T_verify / T_p = {timing['verify_ratio']:.2f} (Thm 3.8 charges 1)")
+  if summary.get("alpha") is not None:
+    observed = summary.get("alpha_observed")
+    lines.append(f"alpha {summary['alpha']:.3f}: expected acceptance rate, mean over drafted "
+                 "positions of sum_x min(p, q)"
+                 + (f" (fraction actually accepted: {observed:.3f})" if observed is not None
+                    else ""))
+  if c is not None:
+    lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
+                 f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "
+                 f"{timing.get('target_step_seconds', 0) * 1e3:.2f} ms)")
+  choice = summary.get("gamma_selection")
+  if choice:
+    how = ("the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) with the verify "
+           "costs measured" if choice.get("rule", "thm_3_8") == "cost_model" else "Thm 3.8")
+    lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma ({how}) from "
+                 f"alpha {choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
+                 f"{choice['warmup_examples']} warm-up examples; alpha and c above are from the "
+                 "full run"
+                 + (f"; Thm 3.8 would pick gamma {choice['thm_3_8']['gamma']}"
+                    if "thm_3_8" in choice and choice['thm_3_8']['gamma'] != choice['gamma']
+                    else ""))
+  for name, values in summary.get("metrics", {}).items():
+    lines.append(f"quality, {name}: " + ", ".join(f"{k} {v:.2f}"
+                                                 for k, v in sorted(values.items())))
+  if summary.get("identical_fraction") is not None:
+    why = ("at temperature 0 both decoders are greedy, so outputs should match" if
+           temperature == 0 else "both decoders sample: speculative sampling keeps the target's "
+           "distribution, not the baseline's draws, so a low value is expected")
+    lines.append(f"identical outputs: {summary['identical_fraction']:.1%} ({why})")
+  for notice in summary.get("notices", ()):
+    lines.append(f"note: {notice}")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+  FLAGS = flags.FLAGS
+  with errors.handle_errors(PROGRAM):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    errors.quiet_logging()
+    distributed.initialize_from_flags()  # no-op for one process
+    summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
+                  show_progress=FLAGS.progress and jax.process_index() == 0)
+    if summary:  # process 0
+      print(format_summary(summary))
+
+
+def run_command() -> None:
+  """`python -m spec_decode.main [flags]`: defines the flags, parses them, runs `main`."""
+  define_flags()
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_layer.rewrite_gin_args(argv)))
+
+
+if __name__ == "__main__":
+  run_command()

@@ -1,0 +1,80 @@
+"""The `Drafter` base class: what the speculative loop and the verifiers may ask of a drafter.
+
+See the package doc (`spec_decode.decoding.drafters`) for the three loop methods. A
+drafter also says what it costs and what it is expected to yield, for the cost model
+of `Speculative` and the experiments' measurements:
+
+  proposal_loop(workload, gamma, steps)   its proposals in a jitted loop, for the shared
+                                          loop timer (`timing.interleaved`)
+  proposal_seconds(workload, gamma)       the marginal seconds of one proposal
+  expected_tokens(alpha, gamma, counters) E[tokens per target call], or None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, ClassVar, Mapping
+
+from spec_decode import theory
+from spec_decode.decoding import timing
+from spec_decode.decoding.types import Committed, Proposal, Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """Base class of every drafter: capabilities the loop and verifiers read, and the loop's
+  three methods (`init`, `propose`, `commit`).
+
+  proposes_trees: whether proposals may branch (a tree verifier is then required).
+  reports_confidence: whether proposals carry `Proposal.confidence` (the speculative
+  loop then counts `draft_mass_at`).
+  sibling_draws: how a sampled tree draws a node's children, 'with_replacement' or
+  'without_replacement'; None for chains and deterministic trees (a verifier whose rule
+  depends on it checks it: `TreeRRSVerifier`).
+  """
+  proposes_trees: ClassVar[bool] = False
+  reports_confidence: ClassVar[bool] = False
+  sibling_draws: ClassVar[str | None] = None
+
+  def proposal_size(self, gamma: int) -> int:
+    """K, the most tokens one proposal holds (a chain: gamma)."""
+    return gamma
+
+  def check_models(self, target, draft) -> None:
+    """Raises ValueError when the models cannot serve this drafter."""
+
+  def init(self, ctx, room: int):
+    raise NotImplementedError
+
+  def propose(self, ctx, state, committed: Committed, keys, num: int) -> tuple[Proposal, object]:
+    raise NotImplementedError
+
+  def commit(self, ctx, state, committed: Committed, verdict: Verdict, proposal: Proposal):
+    return state
+
+  # ------------------------------------------------------------------ cost and yield
+  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int):
+    """A zero-argument function running `steps` proposals of gamma tokens in one jit (its
+    `.steps` is `steps`), for the shared loop timer: by default this drafter's own
+    `propose` (`timing.proposal_loop`)."""
+    return timing.proposal_loop(self, workload, gamma=gamma, steps=steps)
+
+  def proposal_seconds(self, workload: timing.Workload, *, gamma: int, steps: int = 8,
+                       repeats: int = 10) -> float:
+    """Seconds of one proposal of gamma tokens inside a jitted loop: the median over
+    `repeats` rounds of the marginal cost of one more (`timing.interleaved`)."""
+    pair = timing.marginal_pair(
+        lambda k: self.proposal_loop(workload, gamma=gamma, steps=k), steps)
+    return statistics.median(timing.interleaved({"proposal": pair}, repeats=repeats)
+                             ["proposal"])
+
+  def expected_tokens(self, *, alpha: float, gamma: int,
+                      counters: Mapping[str, Any] | None = None) -> float | None:
+    """E[tokens per target call] of this drafter at acceptance rate alpha (None: it makes
+    no prediction). A chain of K = `proposal_size(gamma)` tokens: Thm 3.8's
+    (1 - alpha^(K+1)) / (1 - alpha). counters: the decoder's named counters summed over
+    the rows (`DecodeStats`), for drafters that predict from their own statistics."""
+    if self.proposes_trees:
+      return None  # a tree's yield is no function of alpha
+    return float(theory.expected_tokens(alpha, self.proposal_size(gamma)))

@@ -1,0 +1,92 @@
+"""Choosing a chain decoder's gamma from warm-up measurements (`config.GammaChoice`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from absl import logging
+import numpy as np
+
+from spec_decode import distributed, metrics, theory
+from spec_decode.experiment import measure, results, setup
+
+def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
+  """The verify sizes N = gamma + 1 whose cost `choose_gamma` measures for its cost model:
+  2 .. 6 and then every other size up to max_gamma + 1 (the cost model interpolates
+  between them; each size is one more compiled step timer)."""
+  top = max_gamma + 1
+  return tuple(sorted({n for n in range(2, min(top, 6) + 1)} | set(range(6, top + 1, 2))
+                      | {top}))
+
+
+GAMMA_FILE = "gamma.json"
+
+
+def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
+  """The gamma of decoder `GammaChoice.decoder` maximizing the expected speedup for alpha
+  and costs measured on warm-up examples, by `GammaChoice.rule`.
+
+  alpha: the estimator (sum of beta over decided positions / decisions) of that decoder's
+  decode of the first `warmup_examples` examples at its configured gamma (the warm-up's;
+  alpha does not depend on gamma); c: its cost per drafted token over the target's step
+  on one batch (`measure.measure_step_times`); with the 'cost_model' rule also
+  t(N) = T_verify(N) / T_p on that batch for N in `verify_probe_tokens(max_gamma)`, made
+  non-decreasing in N (`theory.nondecreasing_costs`) and interpolated between them
+  (`theory.optimal_gamma(..., verify_ratio=t)`): on a target whose verify call costs
+  more than a step (a CPU, a large batch) Thm 3.8 picks too large a gamma. Both rules'
+  choices and predictions are recorded. The choice is written to output_dir/gamma.json
+  and reused on resume. Process 0 decides whether a recorded choice exists, so every process
+  either reads it or joins the same warm-up decodes.
+  """
+  gc = s.config.gamma_choice
+  path = f"{output_dir}/{GAMMA_FILE}"
+  recorded = setup.is_writer() and os.path.exists(path)
+  if bool(setup.broadcast(np.bool_(recorded))):
+    choice = None
+    if setup.is_writer():
+      with open(path) as f:
+        choice = json.load(f)
+  else:
+    cfg = s.config
+    warmup = s.examples[:gc.warmup_examples]
+    decode = setup.decode_fns(s)[gc.decoder]
+    sums = np.zeros(2)
+    for i in range(0, len(warmup), cfg.batch_size):
+      batch = warmup[i:i + cfg.batch_size]
+      stats = distributed.gather(decode(*setup.inputs(s, batch)).stats)
+      n = len(batch)
+      sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n])]
+    alpha = metrics.alpha_estimate(min_pq_sum=sums[0], decisions=sums[1])
+    if math.isnan(alpha):
+      raise ValueError(f"the {len(warmup)} warm-up examples made no draft decisions (every "
+                       "output ended at once), so alpha is unknown: set gamma explicitly "
+                       "(ExperimentConfig.gamma_choice = None) or raise "
+                       "GammaChoice.warmup_examples")
+    measured = gc.rule == "cost_model"
+    steps = measure.measure_step_times(s, repeats=cfg.step_timing_repeats, verify_tokens=(
+        verify_probe_tokens(gc.max_gamma) if measured else ()))
+    c = steps["c_by_decoder"][gc.decoder]
+    thm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=gc.max_gamma))
+    choice = {"rule": gc.rule, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
+              "thm_3_8": {"gamma": thm_gamma, "predicted_speedup": float(
+                  theory.walltime_improvement(alpha, thm_gamma, c))}}
+    if measured:
+      raw = {int(n): r for n, r in steps["verify_ratio_by_tokens"].items()}
+      ratios = theory.nondecreasing_costs(raw)  # timing noise must not pick gamma
+      cm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=gc.max_gamma,
+                                          verify_ratio=ratios))
+      choice["verify_ratio_by_tokens"] = {str(n): r for n, r in sorted(raw.items())}
+      choice["verify_ratio_fitted"] = {str(n): r for n, r in sorted(ratios.items())}
+      choice["cost_model"] = {"gamma": cm_gamma, "predicted_speedup": float(
+          theory.cost_model_improvement(alpha, cm_gamma, c, ratios))}
+    choice["gamma"] = choice[gc.rule]["gamma"]
+    choice["predicted_speedup"] = choice[gc.rule]["predicted_speedup"]
+    if setup.is_writer():
+      results.write_json(path, choice)
+  gamma = int(setup.broadcast(np.int32(choice["gamma"] if setup.is_writer() else 0)))
+  choice = dict(choice or {}, gamma=gamma)  # every process decodes with process 0's choice
+  logging.info("gamma chosen: %s", choice)
+  return choice

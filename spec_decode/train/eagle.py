@@ -1,0 +1,141 @@
+"""Training an EAGLE head on a frozen target (EAGLE-1 losses + EAGLE-3's training-time test).
+
+    python -m spec_decode.cli.train --gin_file=configs/demo/ende_eagle.gin
+
+The frozen target is run teacher-forced on each batch's decoder inputs s_0 ..
+s_{T-1} (the task's targets, or the target's own greedy outputs with
+prefixes='target'), giving its final decoder states f_0 .. f_{T-1} and its
+next-token laws p_0 .. p_{T-1}. Unroll step j = 1 .. k feeds the head, at
+query i (sequence position i + j - 1), the pair (feature, s_{i+j}) where the
+feature is f_i at step 1 and the head's own step j - 1 prediction at query i
+afterwards, and asks for f_{i+j}:
+
+  loss_j = smooth_l1(f'_{i+j}, f_{i+j}) + ce_weight * CE(p_{i+j}, LM(f'_{i+j}))
+  loss   = sum_j unroll_decay^(j-1) loss_j / sum_j unroll_decay^(j-1)
+
+Step j's query i attends to step 1's entries at positions <= i (the true
+features a drafting head's cache holds) and to its own chain's entries of steps
+2 .. j at query i: exactly what the head sees when it drafts j tokens ahead
+(EAGLE-3's "training-time test"). Step 1 alone is EAGLE-1.
+
+A recipe on the shared head trainer (`train.heads.train_head`): the train state is
+checkpointed in `workdir` (runs resume exactly) and the head is exported in the one
+format of draft heads (`checkpoints.heads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import optax
+
+from spec_decode import configurable
+from spec_decode.heads import eagle
+from spec_decode.models import t5
+from spec_decode.train.heads import (HeadRecipe, HeadTrainConfig, HeadTrainResult, distill_terms,
+                                     shift_left, target_features, train_head)
+
+
+@configurable.register(runnable=True)
+@dataclasses.dataclass(frozen=True)
+class EagleTrainConfig(HeadTrainConfig):
+  """An EAGLE head-training run (`HeadTrainConfig` plus the losses' settings).
+
+  unroll: k, the training-time-test steps (1 = EAGLE-1); unroll_decay: the
+  weight ratio of step j + 1 to step j; ce_weight: the cross-entropy term's
+  weight.
+  """
+  unroll: int = 3
+  unroll_decay: float = 0.8
+  ce_weight: float = 0.1
+
+  _positive_ints = HeadTrainConfig._positive_ints + ("unroll",)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not 0.0 < self.unroll_decay <= 1.0 or self.ce_weight < 0:
+      raise ValueError(f"EagleTrainConfig needs 0 < unroll_decay <= 1 and ce_weight >= 0, got "
+                       f"{self.unroll_decay}, {self.ce_weight}")
+
+  def run(self, **kw) -> HeadTrainResult:
+    """Trains an EAGLE head (`train`): what the command line runs with this config."""
+    return train(self, **kw)
+
+
+# ----------------------------------------------------------------------------- loss
+def _unroll_geometry(head: eagle.EagleHead, params, j: int, T: int, k: int, B: int):
+  """(bias, mask) of unroll step j's T queries over a k*T-slot buffer (see the module doc)."""
+  i_q = jnp.arange(T)[:, None]
+  slot = jnp.arange(k * T)[None, :]
+  level, i_k = slot // T + 1, slot % T  # the step that wrote a slot, and its query index
+  visible = jnp.where(level == 1, i_k <= i_q, (level <= j) & (i_k == i_q))
+  rel = (i_k + level - 1) - (i_q + j - 1)  # key position - query position
+  bias = head.block._relpos_bias(params["relpos_bias"]["rel_embedding"], rel,
+                                 bidirectional=False)  # [N, T, kT]
+  return (jnp.broadcast_to(bias[None], (B,) + bias.shape),
+          jnp.broadcast_to(visible[None], (B, T, k * T)))
+
+
+def unrolled_predictions(head: eagle.EagleHead, params, encoded, features_BTD, embed_fn,
+                         decoder_inputs, k: int):
+  """[k] predictions [B, T, D]: step j's query i predicts f_{i+j} (see the module doc)."""
+  c = head.config
+  B, T, _ = features_BTD.shape
+  cache = head.init_cache(params, encoded, k * T)
+  cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                                (B, T, cache.encoder_mask.shape[1]))
+  self_k, self_v = cache.self_k[0], cache.self_v[0]
+  feats, preds = features_BTD, []
+  for j in range(1, k + 1):
+    f = t5._rms_norm(feats.astype(c.dtype), params["feature_norm"]["scale"],
+                     c.layer_norm_epsilon)
+    e = t5._rms_norm(embed_fn(shift_left(decoder_inputs, j)).astype(c.dtype),
+                     params["token_norm"]["scale"], c.layer_norm_epsilon)
+    x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([f, e], axis=-1),
+                   params["fc"]["kernel"].astype(c.dtype))
+    bias, mask = _unroll_geometry(head, params, j, T, k, B)
+    offsets = jnp.full((B,), (j - 1) * T, jnp.int32)
+    x, self_k, self_v = head.block.decoder_layer(
+        params["layers_0"], x, self_k, self_v, offsets, bias, mask, cache.cross_k[0],
+        cache.cross_v[0], cross_mask)
+    feats = t5._rms_norm(x, params["final_norm"]["scale"], c.layer_norm_epsilon)
+    preds.append(feats)
+  return preds
+
+
+def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unroll_decay: float,
+               ce_weight: float):
+  """(loss, metrics) of one batch; see the module doc."""
+  dec_in = batch["decoder_inputs"]
+  encoded, feats, logp = target_features(target, target_params, batch["encoder_tokens"], dec_in)
+  w = batch["weights"]
+  embed_fn = lambda tokens: target.embed(target_params, tokens)
+  preds = unrolled_predictions(head, params, encoded, feats, embed_fn, dec_in, unroll)
+  total, norm, metrics = 0.0, 0.0, {}
+  for j, pred in enumerate(preds, start=1):
+    wj = shift_left(w, j)
+    n = jnp.maximum(jnp.sum(wj), 1.0)
+    want = shift_left(feats, j).astype(jnp.float32)
+    reg = jnp.sum(jnp.mean(optax.huber_loss(pred.astype(jnp.float32), want), axis=-1) * wj) / n
+    terms = distill_terms(target, target_params, pred, shift_left(logp, j), wj)
+    weight = unroll_decay ** (j - 1)
+    total, norm = total + weight * (reg + ce_weight * terms["ce"]), norm + weight
+    metrics.update({f"reg_{j}": reg, f"ce_{j}": terms["ce"], f"agree_{j}": terms["agree"]})
+  metrics["tokens"] = jnp.sum(w)
+  return total / norm, metrics
+
+
+def train(cfg: EagleTrainConfig, **kw) -> HeadTrainResult:
+  """Trains an EAGLE head (`train_head`'s keyword arguments)."""
+  recipe = HeadRecipe(
+      what="EAGLE head",
+      build=lambda target: eagle.EagleHead(eagle.EagleConfig.for_target(target.config,
+                                                                         **dict(cfg.head))),
+      loss=functools.partial(eagle_loss, unroll=cfg.unroll, unroll_decay=cfg.unroll_decay,
+                             ce_weight=cfg.ce_weight),
+      describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
+                          f"{m['agree_1']:.3f} agree_{cfg.unroll} "
+                          f"{m[f'agree_{cfg.unroll}']:.3f}"))
+  return train_head(cfg, recipe, **kw)

@@ -1,0 +1,142 @@
+"""What drafters cost and yield: `Drafter.proposal_loop` / `proposal_seconds` (every drafter
+times its own proposal with the shared loop timer), `Drafter.expected_tokens` and the
+`Speculative.cost_model` built on them (a tree predicts its own yield, not a chain's), and
+the experiment runner's step costs (`experiment.step_costs`)."""
+
+import functools
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from spec_decode import decoding, experiment, theory
+from spec_decode.decoding import timing
+from spec_decode.experiment import report
+from spec_decode.heads import eagle, medusa, mtp
+from spec_decode.models import t5
+
+V, L = 32, 8
+
+
+@functools.lru_cache(maxsize=None)
+def _models():
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V))
+  draft = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V, num_decoder_layers=1))
+  heads = {
+      "eagle": eagle.EagleHead(eagle.EagleConfig.for_target(target.config)),
+      "medusa": medusa.MedusaHeads(medusa.MedusaConfig.for_target(target, 3)),
+      "mtp": mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=3))}
+  params = {"eagle": heads["eagle"].init(jax.random.PRNGKey(2)), "medusa": heads["medusa"].init(),
+            "mtp": heads["mtp"].init(jax.random.PRNGKey(3))}
+  enc = np.random.RandomState(0).randint(2, V, (2, 6)).astype(np.int32)
+  return (target, target.init(jax.random.PRNGKey(0)), draft, draft.init(jax.random.PRNGKey(1)),
+          heads, params, enc)
+
+
+def _workload(kind: str, temperature: float = 0.0) -> timing.Workload:
+  target, tp, draft, dp, heads, hp, enc = _models()
+  d, p = (draft, dp) if kind == "model" else (heads[kind], hp[kind])
+  return timing.Workload(target=target, target_params=tp, encoder_tokens=enc,
+                         cache_length=L + 9, position=L // 2, draft=d, draft_params=p,
+                         sampling=decoding.Sampling(temperature=temperature))
+
+
+DRAFTERS = [("model", decoding.ModelDrafter()),
+            ("model", decoding.TreeDrafter(budget=4, depth=3)),
+            ("model", decoding.SampledTreeDrafter(width=2, depth=2)),
+            ("eagle", decoding.EagleDrafter()),
+            ("eagle", decoding.EagleTreeDrafter(budget=4, depth=3)),
+            ("medusa", decoding.MedusaDrafter()), ("mtp", decoding.MtpDrafter())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,drafter", DRAFTERS, ids=[type(d).__name__ for _, d in DRAFTERS])
+def test_every_drafter_times_its_own_proposal(kind, drafter):
+  temperature = 1.0 if isinstance(drafter, decoding.SampledTreeDrafter) else 0.0
+  w = _workload(kind, temperature)
+  loop = drafter.proposal_loop(w, gamma=2, steps=2)
+  assert loop.steps == 2
+  jax.block_until_ready(loop())
+  seconds = drafter.proposal_seconds(w, gamma=2, steps=2, repeats=1)
+  assert np.isfinite(seconds) and seconds > 0
+
+
+def test_expected_tokens_of_chains_and_trees():
+  alpha = 0.7
+  for d in (decoding.ModelDrafter(), decoding.AdaptiveDrafter(), decoding.EagleDrafter(),
+            decoding.MedusaDrafter(), decoding.MtpDrafter()):
+    assert d.expected_tokens(alpha=alpha, gamma=4) == pytest.approx(
+        float(theory.expected_tokens(alpha, 4)))
+  tree = decoding.TreeDrafter(budget=3, depth=3)
+  counters = {"target_calls": 10, "draft_mass_at": [8.0, 5.0, 2.0]}
+  assert tree.expected_tokens(alpha=alpha, gamma=4, counters=counters) == pytest.approx(2.5)
+  assert tree.expected_tokens(alpha=alpha, gamma=4) is None  # no confidences counted
+  assert decoding.SampledTreeDrafter().expected_tokens(alpha=alpha, gamma=4) is None
+
+
+def test_cost_model_of_a_chain_is_thm_3_8_and_a_tree_predicts_its_own_yield():
+  alpha, gamma, c, ratio = 0.8, 5, 0.1, 1.7
+  chain = decoding.Speculative(gamma=gamma).cost_model(alpha=alpha, draft_cost=gamma * c,
+                                                       verify_ratio=ratio)
+  assert chain["thm_3_8"] == pytest.approx(float(theory.walltime_improvement(alpha, gamma, c)))
+  assert chain["cost_model"] == pytest.approx(
+      float(theory.cost_model_improvement(alpha, gamma, c, {gamma + 1: ratio})))
+  assert chain["optimal_gamma"] == int(theory.optimal_gamma(alpha, c))
+  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3),
+                              verifier=decoding.TreeVerifier())
+  counters = {"target_calls": 4, "draft_mass_at": [4.0, 2.0, 2.0, 0.0]}
+  model = tree.cost_model(alpha=alpha, draft_cost=3.0, verify_ratio=2.0, counters=counters)
+  assert model["expected_tokens"] == pytest.approx(3.0)  # not the chain's E[tokens](0.8, 4)
+  assert model["cost_model"] == pytest.approx(3.0 / 5.0) and model["optimal_gamma"] is None
+  sampled = decoding.Speculative(drafter=decoding.SampledTreeDrafter(),
+                                 verifier=decoding.TreeRRSVerifier())
+  assert sampled.cost_model(alpha=alpha, draft_cost=1.0, verify_ratio=1.0) is None
+  assert decoding.Autoregressive().cost_model(alpha=alpha, draft_cost=1.0,
+                                              verify_ratio=1.0) is None
+
+
+def test_report_charges_each_decoder_its_own_proposal():
+  chain = decoding.Speculative(gamma=2)
+  tree = decoding.Speculative(drafter=decoding.TreeDrafter(budget=4, depth=3),
+                              verifier=decoding.TreeVerifier())
+  cfg = types.SimpleNamespace(algorithms={"autoregressive": decoding.Autoregressive(),
+                                          "chain": chain, "tree": tree},
+                              baseline_name="autoregressive")
+  stats = {"target_calls": 2, "draft_tokens": 4, "accepted": 3, "decisions": 4,
+           "min_pq_sum": 3.2, "accepted_at": [2, 1, 0, 0], "decided_at": [2, 2, 0, 0]}
+  row = {"decoders": {"autoregressive": {"stats": {"target_calls": 5}, "length": 5,
+                                         "tokens": [3, 4, 5, 6, 1]},
+                      "chain": {"stats": dict(stats, accepted_at=[2, 1], decided_at=[2, 2]),
+                                "length": 5, "tokens": [3, 4, 5, 6, 1]},
+                      "tree": {"stats": dict(stats, draft_mass_at=[2.0, 1.0, 1.0, 0.0]),
+                               "length": 5, "tokens": [3, 4, 5, 6, 1]}}}
+  steps = {"target_step_seconds": 0.01, "proposal_seconds": {"chain": 0.004, "tree": 0.03},
+           "c_by_decoder": {"chain": 0.2, "tree": 0.75},
+           "verify_ratio_by_tokens": {"3": 1.5, "5": 2.0}}
+  seconds = {"autoregressive": 1.0, "chain": 0.5, "tree": 0.8}
+  d = {n: report._decoder_summary(cfg, n, [row], seconds, steps) for n in ("chain", "tree")}
+  assert d["chain"]["cost_model_speedup"] == pytest.approx(
+      float(theory.expected_tokens(0.8, 2)) / (0.4 + 1.5))
+  assert d["tree"]["expected_tokens_per_call"] == pytest.approx(1 + 4.0 / 2)
+  assert d["tree"]["cost_model_speedup"] == pytest.approx(3.0 / (3.0 + 2.0))
+  assert d["chain"]["c"] == 0.2 and d["tree"]["c"] == 0.75
+
+
+@pytest.mark.slow
+def test_step_costs_time_every_decoder_in_the_same_rounds():
+  w = _workload("model")
+  _, _, _, _, heads, hp, _ = _models()
+  decoders = {"ar": decoding.Autoregressive(), "chain": decoding.Speculative(gamma=2),
+              "medusa": decoding.Speculative(gamma=2, drafter=decoding.MedusaDrafter())}
+  costs = experiment.step_costs(w, decoders, drafts={"medusa": (heads["medusa"], hp["medusa"])},
+                                verify_tokens=(2,), repeats=2, steps=2)
+  assert set(costs["proposal"]) == set(costs["c"]) == set(costs["c_rounds"]) == {"chain",
+                                                                                 "medusa"}
+  assert set(costs["verify_ratio"]) == set(costs["verify"]) == {2, 3}
+  t_p = costs["target_step"]["median"]
+  assert t_p > 0 and costs["target_step"]["n"] == 2
+  for name in ("chain", "medusa"):  # c: the medians' ratio, per drafted token
+    assert costs["c"][name] == costs["proposal"][name]["median"] / (2 * t_p) > 0
+    assert costs["c_rounds"][name]["n"] == 2
+  assert costs["verify_ratio"][3] == costs["verify"][3]["median"] / t_p
