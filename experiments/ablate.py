@@ -348,7 +348,7 @@ def run(args, meta) -> harness.Output:
   os.makedirs(args.results_dir, exist_ok=True)
   figures = []
   if args.plots:
-    figures = plot(res, stem, harness.machine_line(meta["machine"]), meta["command"])
+    figures = plot(res, stem, harness.machine_line(meta["machine"], decoding=False), meta["command"])
   summary_cols = [
       Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
       Column("variant_alpha", "alpha", lambda v: fmt(v, 3)),

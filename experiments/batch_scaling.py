@@ -199,7 +199,7 @@ def run(args, meta) -> harness.Output:
   os.makedirs(args.results_dir, exist_ok=True)
   if args.plots:
     figures = [plot(rows, os.path.join(args.results_dir, f"batch_scaling_{stem}.png"),
-                    harness.machine_line(meta["machine"]), meta["command"])]
+                    harness.machine_line(meta["machine"], decoding=False), meta["command"])]
   return harness.Output(f"batch_scaling_{stem}", f"Batch scaling ({stem}, {args.scale} scale)",
                         cols, rows, notes, figures=figures)
 

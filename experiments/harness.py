@@ -83,12 +83,17 @@ def machine() -> dict[str, Any]:
   }
 
 
-def machine_line(m: Mapping[str, Any]) -> str:
-  """One line for a table header, e.g. '2 cores of Intel Xeon ..., jax 0.10.2 (cpu: 1 x cpu)'."""
+def machine_line(m: Mapping[str, Any], *, decoding: bool = True) -> str:
+  """One line for a table header, e.g. '2 cores of Intel Xeon ..., jax 0.10.2 (cpu: 1 x cpu)',
+  then (decoding=True) the decode kernel's line (CPU features, weight formats, variants) when
+  recorded."""
   line = (f"{m['nproc']} cores of {m['cpu_model']}, jax {m['jax']} "
           f"({m['backend']}: {m['devices']}), load average {m['load_average_1m']} at start")
   if m.get("load_average_1m_end") is not None:
     line += f", {m['load_average_1m_end']} at end"
+  if decoding and m.get("decoding"):
+    from spec_decode.experiment import report
+    line += f"; {report.machine_line(m['decoding'])}"
   return line
 
 
@@ -105,8 +110,12 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 
 
 def finish_meta(meta: dict[str, Any]) -> dict[str, Any]:
-  """Adds the end-of-run load average (contention during the measurement)."""
+  """Adds the end-of-run load average (contention during the measurement) and how the
+  decoders ran (`experiment.report.machine`: on CPU the features and the decode kernel's
+  weight formats and variants)."""
+  from spec_decode.experiment import report
   meta["machine"]["load_average_1m_end"] = round(os.getloadavg()[0], 2)
+  meta["machine"]["decoding"] = report.machine()
   return meta
 
 

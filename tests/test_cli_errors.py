@@ -248,6 +248,12 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
   assert summary["experiment"]["task"] == "synthetic_ende"
   assert summary["experiment"]["target"]["checkpoint"] == "demo_models/ende_target_big"
   assert summary["identical_fraction"] == 1.0 and summary["completed"] == 2
+  # the CPU and the decode kernel: the demo checkpoints are stored in bfloat16, so the
+  # kernel packs their weights as bfloat16 (the float32 bits at half the bytes)
+  from spec_decode.kernels import cpu_matmul
+  assert f"machine: CPU {cpu_matmul.cpu_info()['model']}" in stdout
+  if cpu_matmul.available():
+    assert summary["machine"]["cpu"]["packed_weights"].get("bfloat16", 0) >= 1
   assert summary["metrics"]["autoregressive"] == summary["metrics"]["speculative"]
   with open(os.path.join(out, "table_row.md")) as f:
     assert summary["table_row"] in f.read()

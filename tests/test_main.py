@@ -75,6 +75,9 @@ def test_end_to_end_outputs(greedy_run):
   assert run["rows"] == 6 and run["c"] == stored["timing"]["c"]
   text = main.format_summary(dict(summary, output_dir=out))
   assert f"files: {out}/" in text and "X: autoregressive / speculative decode time" in text
+  from spec_decode.kernels import cpu_matmul
+  assert stored["machine"]["cpu"]["model"] == cpu_matmul.cpu_info()["model"]
+  assert f"machine: CPU {cpu_matmul.cpu_info()['model']} (" in text
   assert "c " in text and "draft / target time of one single-token decode step" in text
   gamma = summary["experiment"]["decoders"]["speculative"]["gamma"]
   assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
@@ -457,3 +460,20 @@ def test_baseline_only_experiment_has_no_cost_model(tmp_path):
   assert again["speedup_predicted"] is None and "c" not in summary["timing"]
 
 
+
+
+def test_machine_line_names_the_cpu_the_weights_and_the_variants():
+  from spec_decode.experiment import report
+  m = {"backend": "cpu", "devices": "1 x cpu",
+       "cpu": {"model": "Some CPU", "features": ["avx2", "avx512f"], "kernel": "on",
+               "chosen_variants": {"1x512x1024:bfloat16": "16", "8x512x1024:bfloat16": "16p",
+                                   "1x64x512:bfloat16": "16"},
+               "packed_weights": {"bfloat16": 2}, "variant_override": None}}
+  assert report.machine_line(m) == ("CPU Some CPU (avx2, avx512f); decode kernel weights "
+                                    "bfloat16 x2; variants 16 (2 shapes), 16p (1 shapes)")
+  m["cpu"]["variant_override"] = "8p"
+  assert "variants 8p (fixed by environment)" in report.machine_line(m)
+  m["cpu"] = {"model": "Some CPU", "features": [], "kernel": "off: no compiler"}
+  assert report.machine_line(m) == ("CPU Some CPU (no listed features); decode kernel off: no "
+                                    "compiler")
+  assert report.machine_line({"backend": "gpu", "devices": "1 x H100"}) == "gpu: 1 x H100"

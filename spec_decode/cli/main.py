@@ -166,6 +166,8 @@ def format_summary(summary: dict) -> str:
            temperature == 0 else "both decoders sample: speculative sampling keeps the target's "
            "distribution, not the baseline's draws, so a low value is expected")
     lines.append(f"identical outputs: {summary['identical_fraction']:.1%} ({why})")
+  if summary.get("machine"):
+    lines.append(f"machine: {report.machine_line(summary['machine'])}")
   for notice in summary.get("notices", ()):
     lines.append(f"note: {notice}")
   return "\n".join(lines)

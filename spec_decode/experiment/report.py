@@ -165,4 +165,39 @@ def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Ex
   primary = out["decoders"].get(cfg.primary, {})
   out.update({k: primary.get(k) for k in _PRIMARY_KEYS})
   out["table_row"] = table_row(cfg, out) if cfg.primary else ""
+  out["machine"] = machine()
   return out
+
+
+def machine() -> dict[str, Any]:
+  """Where the decoders ran: the backend and devices; on CPU also the CPU's model and
+  features, and the decode kernel (on or why not, the variant chosen per weight shape,
+  the weight formats the models were packed in: `cpu_matmul.describe`)."""
+  import jax
+  from spec_decode.kernels import cpu_matmul
+  devices = jax.devices()
+  out: dict[str, Any] = {"backend": jax.default_backend(),
+                         "devices": f"{len(devices)} x {devices[0].device_kind}"}
+  if out["backend"] == "cpu":
+    out["cpu"] = cpu_matmul.describe()
+  return out
+
+
+def machine_line(m: Mapping[str, Any]) -> str:
+  """One line naming the machine of `machine()`: CPU model and features, the kernel's
+  weight formats and the variants it used (how many weight shapes each)."""
+  cpu = m.get("cpu")
+  if not cpu:
+    return f"{m.get('backend')}: {m.get('devices')}"
+  line = f"CPU {cpu['model']} ({', '.join(cpu['features']) or 'no listed features'})"
+  if cpu.get("kernel") != "on":
+    return line + f"; decode kernel {cpu.get('kernel')}"
+  used: dict[str, int] = {}
+  for variant in cpu.get("chosen_variants", {}).values():
+    used[variant] = used.get(variant, 0) + 1
+  if cpu.get("variant_override"):
+    used = {f"{cpu['variant_override']} (fixed by environment)": 0}
+  weights = ", ".join(f"{w} x{n}" for w, n in cpu.get("packed_weights", {}).items())
+  return (line + f"; decode kernel weights {weights or 'not packed'}; variants "
+          + (", ".join(f"{v}" + (f" ({n} shapes)" if n else "") for v, n in sorted(used.items()))
+             or "none chosen"))

@@ -460,9 +460,18 @@ def _save_choices():
     logging.warning("spec_decode: could not save kernel variant choices to %s (%s)", path, e)
 
 
+_PACKED_AS: dict[str, int] = {}  # parameter trees packed in this process, by weight format
+
+
+def note_packed(weights: str) -> None:
+  """Records that a parameter tree was packed with `weights` ('float32', 'bfloat16', ...)."""
+  _PACKED_AS[weights] = _PACKED_AS.get(weights, 0) + 1
+
+
 def describe() -> dict[str, Any]:
   """The CPU and the kernel as decoding uses them: model, features, whether the kernel is
-  on (or why not), the variants built and the variant chosen per weight shape so far."""
+  on (or why not), the variants built, the variant chosen per weight shape so far and the
+  weight formats parameter trees were packed in."""
   info = dict(cpu_info())
   reason = _register()
   info["kernel"] = "off: " + reason if reason else "on"
@@ -471,6 +480,7 @@ def describe() -> dict[str, Any]:
     info["bfloat16_dot"] = has_bfloat16_dot()
     info["variant_override"] = os.environ.get(ENV_VARIANT) or None
     info["chosen_variants"] = dict(sorted(_CHOSEN.items()))
+    info["packed_weights"] = dict(sorted(_PACKED_AS.items()))
   return info
 
 

@@ -658,6 +658,7 @@ class T5(base.ParamSpecs):
                        f"this one ({info['model']}) has {', '.join(info['features'])}")
     if weights == "auto":
       weights = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    cpu_matmul.note_packed(weights)
     return _pack_kernels(params, threshold=threshold, weights=weights)
 
   # ---------------------------------------------------------------- teacher forcing
