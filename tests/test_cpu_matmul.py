@@ -421,6 +421,28 @@ def test_t5_bfloat16_dot_weights(pack_small):
 
 
 @needs_kernel
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_fused_rms_norm(weights):
+  """matmul(x, W, norm=s) multiplies T5's RMS norm of x (x * rsqrt(mean(x^2) + eps) * s) by W
+  in the kernel's own call: within float32 rounding of that product in float64, each row's
+  bits independent of the other rows."""
+  rng = np.random.default_rng(3)
+  x = (rng.standard_normal((9, 256)) * 3).astype(np.float32)
+  s = (1 + 0.3 * rng.standard_normal(256)).astype(np.float32)
+  w = rng.standard_normal((256, 100)).astype(np.float32)
+  p = cpu_matmul.pack(w, weights)
+  fused = jax.jit(lambda a, b, c: cpu_matmul.matmul(a, b, norm=c, eps=1e-6))
+  got = np.asarray(fused(x, p, s))
+  x64 = x.astype(np.float64)
+  normed = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * s
+  np.testing.assert_allclose(got, normed @ np.asarray(cpu_matmul.unpack(p), np.float64),
+                             rtol=1e-5, atol=1e-5 * np.sqrt(256))
+  np.testing.assert_array_equal(np.asarray(fused(x[2:5], p, s)), got[2:5])
+  with pytest.raises(ValueError, match=r"norm must be \[256\]"):
+    cpu_matmul.matmul(x, p, norm=s[:10])
+
+
+@needs_kernel
 def test_describe_names_the_cpu_and_the_variants():
   info = cpu_matmul.describe()
   assert info["kernel"] == "on" and info["model"] and 8 in info["widths"]

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -420,10 +421,26 @@ void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t
   while (shared->active.load() != 0) std::this_thread::yield();
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
-                  const float* scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                  int64_t variant_code) {
+// x's rows RMS-normalized and scaled, as T5's norm before a projection: row * rsqrt(mean(row^2)
+// + eps) * scale (the sum of squares in double), so a norm and the product after it are one
+// call. Each row's result depends on that row only.
+std::vector<float> NormRows(const float* x, const float* scale, float eps, int64_t M, int64_t K) {
+  std::vector<float> out(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    double sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += double(row[k]) * row[k];
+    const float r = 1.0f / std::sqrt(float(sum / K) + eps);
+    for (int64_t k = 0; k < K; ++k) out[m * K + k] = row[k] * r * scale[k];
+  }
+  return out;
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::AnyBuffer panels,
+                  const float* scales, const float* norm, float eps,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant_code) {
   const Variant variant = Variant::Of(variant_code);
+  auto& x = x_buffer;
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   const auto yd = y->dimensions();
@@ -445,22 +462,28 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   const auto type = panels.element_type();
   const void* w = panels.untyped_data();
   float* out = y->typed_data();
+  std::vector<float> normed;
+  const float* xin = x.typed_data();
+  if (norm != nullptr) {
+    normed = NormRows(xin, norm, eps, M, K);
+    xin = normed.data();
+  }
   if (pairs) {
     if (type != ffi::DataType::BF16 || scales != nullptr || !kHaveDot)
       return ffi::Error::InvalidArgument(
           "small_m_matmul: pair panels need bfloat16 weights and a CPU with AVX512-BF16");
-    const std::vector<uint32_t> xp = PairRows(x.typed_data(), M, K / 2);
+    const std::vector<uint32_t> xp = PairRows(xin, M, K / 2);
     Problem<Pair> problem{nullptr, static_cast<const Pair*>(w), nullptr, out, M, K / 2, N};
     problem.xpairs = xp.data();
     Run(problem, variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::F32 && scales == nullptr) {
-    Run(Problem<float>{x.typed_data(), static_cast<const float*>(w), nullptr, out, M, K, N},
+    Run(Problem<float>{xin, static_cast<const float*>(w), nullptr, out, M, K, N},
         variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::BF16 && scales == nullptr) {
-    Run(Problem<uint16_t>{x.typed_data(), static_cast<const uint16_t*>(w), nullptr, out, M, K,
+    Run(Problem<uint16_t>{xin, static_cast<const uint16_t*>(w), nullptr, out, M, K,
                           N}, variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::S8 && scales != nullptr) {
-    Run(Problem<int8_t>{x.typed_data(), static_cast<const int8_t*>(w), scales, out, M, K, N},
+    Run(Problem<int8_t>{xin, static_cast<const int8_t*>(w), scales, out, M, K, N},
         variant, num_panels, helpers, &pool);
   } else {
     return ffi::Error::InvalidArgument(
@@ -469,19 +492,48 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+ffi::Error CheckScales(ffi::Buffer<ffi::F32>& scales, ffi::AnyBuffer& panels) {
+  const auto sd = scales.dimensions();
+  const auto pd = panels.dimensions();
+  if (sd.size() != 1 || pd.size() != 3 || sd[0] != pd[0] * kPanel)
+    return ffi::Error::InvalidArgument("small_m_matmul: want scales [16 P] for panels [P, K, 16]");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckNorm(ffi::Buffer<ffi::F32>& norm, ffi::Buffer<ffi::F32>& x) {
+  if (norm.dimensions().size() != 1 || x.dimensions().size() != 2 ||
+      norm.dimensions()[0] != x.dimensions()[1])
+    return ffi::Error::InvalidArgument("small_m_matmul: want a norm scale [K] for x [M, K]");
+  return ffi::Error::Success();
+}
+
 ffi::Error Unscaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                     ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant) {
-  return Matmul(pool, x, panels, nullptr, y, threads, variant);
+  return Matmul(pool, x, panels, nullptr, nullptr, 0.0f, y, threads, variant);
 }
 
 ffi::Error Scaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                   ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
                   int64_t variant) {
-  const auto sd = scales.dimensions();
-  const auto pd = panels.dimensions();
-  if (sd.size() != 1 || pd.size() != 3 || sd[0] != pd[0] * kPanel)
-    return ffi::Error::InvalidArgument("small_m_matmul: want scales [16 P] for panels [P, K, 16]");
-  return Matmul(pool, x, panels, scales.typed_data(), y, threads, variant);
+  if (auto e = CheckScales(scales, panels); e.failure()) return e;
+  return Matmul(pool, x, panels, scales.typed_data(), nullptr, 0.0f, y, threads, variant);
+}
+
+ffi::Error Normed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                  ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                  int64_t variant, float eps) {
+  if (auto e = CheckNorm(norm, x); e.failure()) return e;
+  return Matmul(pool, x, panels, nullptr, norm.typed_data(), eps, y, threads, variant);
+}
+
+ffi::Error NormedScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> norm,
+                        ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant,
+                        float eps) {
+  if (auto e = CheckScales(scales, panels); e.failure()) return e;
+  if (auto e = CheckNorm(norm, x); e.failure()) return e;
+  return Matmul(pool, x, panels, scales.typed_data(), norm.typed_data(), eps, y, threads,
+                variant);
 }
 
 template <typename V>
@@ -516,6 +568,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulScaled, Scaled,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulNormed, Normed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("variant")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulNormedScaled, NormedScaled,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("variant")
+                                  .Attr<float>("eps"));
 
 extern "C" {
 

@@ -65,10 +65,14 @@ from spec_decode import compile_options
 
 PANEL = 16
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-_TARGET = "spec_decode_small_m_matmul"
-_TARGET_SCALED = "spec_decode_small_m_matmul_scaled"
-_SYMBOL = "SpecDecodeSmallMMatmul"
-_SYMBOL_SCALED = "SpecDecodeSmallMMatmulScaled"
+# (int8 scales, fused norm) -> (the jax FFI target, the library's handler symbol)
+_TARGETS = {
+    (False, False): ("spec_decode_small_m_matmul", "SpecDecodeSmallMMatmul"),
+    (True, False): ("spec_decode_small_m_matmul_scaled", "SpecDecodeSmallMMatmulScaled"),
+    (False, True): ("spec_decode_small_m_matmul_normed", "SpecDecodeSmallMMatmulNormed"),
+    (True, True): ("spec_decode_small_m_matmul_normed_scaled",
+                   "SpecDecodeSmallMMatmulNormedScaled"),
+}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
 # `T5.decode_params`). Measured per product on a 2-core AMD EPYC (1..11 rows, a jitted
@@ -183,8 +187,12 @@ def _threads() -> int:
   return n
 
 
-def matmul(x, kernel: PackedKernel) -> jax.Array:
-  """x [..., K] @ W -> [..., N] float32 through the kernel (on CPU, when `available()`)."""
+def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6) -> jax.Array:
+  """x [..., K] @ W -> [..., N] float32 through the kernel (on CPU, when `available()`).
+
+  norm [K]: multiply T5's RMS norm of x by W instead, rms_norm(x) = x * rsqrt(mean(x^2) +
+  eps) * norm, computed in the same call (a norm and the projection after it cost one
+  kernel launch, not five)."""
   reason = _register()
   if reason is not None:
     raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason}); multiply by "
@@ -192,6 +200,8 @@ def matmul(x, kernel: PackedKernel) -> jax.Array:
   K, N = kernel.shape
   if x.shape[-1] != K:
     raise ValueError(f"matmul: x has {x.shape[-1]} features, the kernel wants {K}")
+  if norm is not None and tuple(norm.shape) != (K,):
+    raise ValueError(f"matmul: norm must be [{K}], got {tuple(norm.shape)}")
   lead = x.shape[:-1]
   x2 = x.astype(jnp.float32).reshape(-1, K)
   if kernel.pairs and not has_bfloat16_dot():
@@ -200,11 +210,12 @@ def matmul(x, kernel: PackedKernel) -> jax.Array:
   variant = chosen_variant(x2.shape[0], K, N, kernel.dtype, kernel.pairs)
   out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
   attrs = dict(threads=np.int64(_threads()), variant=np.int64(_variant_code(variant)))
-  if kernel.scales is None:
-    y = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x2, kernel.panels, **attrs)
-  else:
-    y = jax.ffi.ffi_call(_TARGET_SCALED, out, vmap_method="sequential")(
-        x2, kernel.panels, kernel.scales, **attrs)
+  args = [x2, kernel.panels] + ([] if kernel.scales is None else [kernel.scales])
+  if norm is not None:
+    args.append(norm.astype(jnp.float32))
+    attrs["eps"] = np.float32(eps)
+  target = _TARGETS[(kernel.scales is not None, norm is not None)][0]
+  y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)
   return y.reshape(*lead, N)
 
 
@@ -282,7 +293,7 @@ def _register() -> str | None:
   try:
     path = _build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in ((_TARGET, _SYMBOL), (_TARGET_SCALED, _SYMBOL_SCALED)):
+    for target, symbol in _TARGETS.values():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
     lib.spec_decode_widths.restype = ctypes.c_int64

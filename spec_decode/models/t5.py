@@ -234,6 +234,19 @@ def _rms_norm(x, scale, eps):
   return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Normed:
+  """A projection's input rms_norm(x) * scale, not yet computed: a packed kernel computes
+  the norm in its own call (`cpu_matmul.matmul(norm=)`: one launch instead of the norm's
+  four fusions and the product), XLA's dot takes `value()`."""
+  x: Any
+  scale: Any
+  eps: float
+
+  def value(self):
+    return _rms_norm(self.x, self.scale, self.eps)
+
+
 def _attend(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   """Dot-product attention without 1/sqrt(H) (folded into the query init, as T5) over K/V
   in the cache's layouts (`DecodeCache`); bias_BNTL may be None. Both products are in
@@ -378,10 +391,14 @@ class T5(base.ParamSpecs):
     return jnp.take(table_VD, tokens, axis=0).astype(self.config.dtype)
 
   def _dense(self, x_BTI, kernel_IO):
-    """x [B, T, I] @ kernel [I, O]: XLA's dot, or the CPU decoding kernel when the kernel
-    was packed for it (`decode_params`)."""
+    """x [B, T, I] (or a `_Normed` input) @ kernel [I, O]: XLA's dot, or the CPU decoding
+    kernel when the kernel was packed for it (`decode_params`)."""
     if isinstance(kernel_IO, cpu_matmul.PackedKernel):  # packed only for float32 models
+      if isinstance(x_BTI, _Normed):
+        return cpu_matmul.matmul(x_BTI.x, kernel_IO, norm=x_BTI.scale, eps=x_BTI.eps)
       return cpu_matmul.matmul(x_BTI, kernel_IO)
+    if isinstance(x_BTI, _Normed):
+      x_BTI = x_BTI.value()
     return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO.astype(self.config.dtype))
 
   def _project_heads(self, x_BTD, kernel_DK):
@@ -468,12 +485,12 @@ class T5(base.ParamSpecs):
     for i in range(c.num_encoder_layers):
       p = self._get(enc[f"layers_{i}"], x_prev)
       x_prev = x
-      h = _rms_norm(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+      h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
       q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value")))
       x = x + self._merge_heads(pack(_attend(q, *_kv_layout(k, v), bias, attn_mask)),
                                 a["out"]["kernel"])
-      h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
+      h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h)
     x = _rms_norm(x, self._get(enc["encoder_norm"]["scale"], x_prev), c.layer_norm_epsilon)
     return EncoderOutput(hidden=unpack(x), mask=mask_BS, packed_index=packed_index)
@@ -565,7 +582,7 @@ class T5(base.ParamSpecs):
     residual) on x [B, T, D] with T5X-named layer params `p`. The new tokens' K/V are
     written into the cache rows at `offsets_B`; returns (x, self_k, self_v)."""
     c = self.config
-    h = _rms_norm(x_BTD, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+    h = _Normed(x_BTD, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["self_attention"]
     q, k, v = self._heads(h, a, ("query", "key", "value"))
     k, v = _kv_layout(k, v)
@@ -573,12 +590,12 @@ class T5(base.ParamSpecs):
     v_all = _write_rows(self_v_BNLH, v, offsets_B, DecodeCache.POSITION_AXES["self_v"])
     x = x_BTD + self._merge_heads(_attend(q, k_all, v_all, self_bias, self_mask),
                                   a["out"]["kernel"])
-    h = _rms_norm(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
+    h = _Normed(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["encoder_decoder_attention"]
     q = self._project_heads(h, a["query"]["kernel"])
     x = x + self._merge_heads(_attend(q, cross_k_BNHS, cross_v_BNSH, None, cross_mask_BTS),
                               a["out"]["kernel"])
-    h = _rms_norm(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
+    h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
     return x + self._mlp(p["mlp"], h), k_all, v_all
 
   @functools.partial(jax.jit, static_argnums=0)
@@ -604,11 +621,11 @@ class T5(base.ParamSpecs):
       new_k.append(k_all)
       new_v.append(v_all)
     norm, head = self._get((dec["decoder_norm"]["scale"], self._head_kernel(params)), x_prev)
-    x = _rms_norm(x, norm, c.layer_norm_epsilon)
-    return base.DecodeOutput(logits=self._logits(head, x),
+    normed = _Normed(x, norm, c.layer_norm_epsilon)  # the logits' input, and the states out
+    return base.DecodeOutput(logits=self._logits(head, normed),
                              cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
                                                  lengths=offsets + T),
-                             hidden=x)
+                             hidden=normed.value())
 
   def logits_from_hidden(self, params, x_BTD):
     """The LM head: final decoder states [B, T, D] -> float32 logits [B, T, V]."""
@@ -623,6 +640,8 @@ class T5(base.ParamSpecs):
   def _logits(self, kernel, x_BTD):
     c = self.config
     if c.logits_via_embedding:
+      if isinstance(x_BTD, _Normed):
+        x_BTD = x_BTD.value()
       logits = jnp.einsum("BTD,VD->BTV", x_BTD, kernel.astype(c.dtype)) / math.sqrt(c.emb_dim)
     else:
       logits = self._dense(x_BTD, kernel)
