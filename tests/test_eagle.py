@@ -392,3 +392,105 @@ def test_tree_commit_feeds_the_head_the_accepted_paths_states():
         checked += 1
     before = np.maximum(before, length)
   assert checked >= N
+
+
+# ------------------------------------------------------------------ EAGLE-3 feature fusion
+def _fused_head(target, layers=(0,)):
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, fuse_layers=layers))
+  return head, head.init(jax.random.PRNGKey(5))
+
+
+def test_decode_returns_the_requested_layers_streams():
+  target, tp, enc, ar_tokens, *_ = tiny_target_and_split()
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :5]], axis=1)
+  cache = target.init_cache(tp, target.encode(tp, enc), 6)
+  out = target.decode(tp, cache, dec_in, layers=(1, 0))
+  plain = target.decode(tp, cache, dec_in)
+  assert plain.features is None and out.features.shape == (N, 6, 2 * target.config.emb_dim)
+  np.testing.assert_array_equal(np.asarray(out.hidden), np.asarray(plain.hidden))
+  D = target.config.emb_dim
+  # the last layer's stream, normed, is the final state
+  last = target.config.num_decoder_layers - 1
+  if last == 1:
+    normed = t5._rms_norm(out.features[..., :D], tp["decoder"]["decoder_norm"]["scale"],
+                          target.config.layer_norm_epsilon)
+    np.testing.assert_allclose(np.asarray(normed), np.asarray(out.hidden), atol=1e-6)
+  with pytest.raises(ValueError, match="not decoder layers"):
+    target.decode(tp, cache, dec_in, layers=(9,))
+
+
+def test_fused_head_greedy_equals_autoregressive():
+  target, tp, enc, ar_tokens, ar_lengths = tiny_target_and_split()[:5]
+  head, hp = _fused_head(target)
+  assert head.target_layers == (0,) and "fuse" in hp and "fuse_norm_0" in hp
+  out = decoding.run(_speculative(), target, tp, enc, draft=head, draft_params=hp,
+                     max_decode_len=L)
+  assert _check_greedy_rows(target, tp, enc, range(N), np.asarray(out.tokens),
+                            np.asarray(out.lengths), ar_tokens, ar_lengths) == 0
+  tree = decoding.run(_tree_speculative(budget=6), target, tp, enc, draft=head,
+                      draft_params=hp, max_decode_len=L)
+  assert _check_greedy_rows(target, tp, enc, range(N), np.asarray(tree.tokens),
+                            np.asarray(tree.lengths), ar_tokens, ar_lengths) == 0
+
+
+def test_fused_head_reads_the_verify_calls_layer_streams():
+  """A fusing drafter gets [final states; layer streams] from the verify call itself: both
+  halves equal a direct teacher-forced decode of the output at every committed position."""
+  target, tp, enc, *_ = tiny_target_and_split()
+  head, hp = _fused_head(target)
+  _RecordingDrafter.log.clear()
+  out = decoding.run(decoding.Speculative(gamma=3, drafter=_RecordingDrafter()), target, tp,
+                     enc, draft=head, draft_params=hp, max_decode_len=L)
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), tokens[:, :-1]], axis=1)
+  direct = target.decode(tp, target.init_cache(tp, target.encode(tp, enc), L), dec_in,
+                         layers=(0,))
+  want = np.concatenate([np.asarray(direct.hidden), np.asarray(direct.features)], -1)
+  checked = 0
+  for m, n, hidden in _RecordingDrafter.log:
+    assert hidden.shape[-1] == 2 * target.config.emb_dim
+    for b in range(N):
+      for i in range(int(n[b]) + 1):
+        pos = int(m[b]) + i
+        if pos < lengths[b]:
+          np.testing.assert_allclose(hidden[b, i], want[b, pos], atol=2e-5, rtol=1e-4)
+          checked += 1
+  assert checked >= int(np.sum(lengths))
+
+
+@pytest.mark.slow
+def test_fused_head_sequence_law_is_exact_at_temperature_1():
+  fit, result = ex.head_law_fit(_speculative(gamma=2), _fused_head, "eagle-3 t5 T=1")
+  assert fit.p_value > ex.P_REJECT
+  assert 0 < int(np.sum(result.stats.accepted)) < int(np.sum(result.stats.decisions))
+
+
+def test_fused_head_checkpoint_config_and_refusals(tmp_path):
+  target, tp, *_ = tiny_target_and_split()
+  head, hp = _fused_head(target)
+  head_checkpoints.save(str(tmp_path / "h"), head, hp, step=1)
+  loaded, params = head_checkpoints.load(str(tmp_path / "h"), kind="eagle")
+  assert loaded == head and loaded.config.fuse_layers == (0,)
+  plain = eagle.EagleConfig.for_target(target.config)
+  assert "fuse_layers" not in plain.to_json()  # EAGLE-1 files read as before
+  with pytest.raises(ValueError, match="fuse_layers must be distinct"):
+    eagle.EagleConfig.for_target(target.config, fuse_layers=(0, 0))
+  deep, _ = _fused_head(target, layers=(7,))
+  with pytest.raises(ValueError, match="needs a target with more than 7 decoder layers"):
+    deep.check_target(target)
+  with pytest.raises(ValueError, match="needs features of"):
+    head.target_input(hp, np.zeros((1, 2, target.config.emb_dim), np.float32))
+
+
+@pytest.mark.slow
+def test_fused_head_training_learns():
+  target, tp, enc, ar_tokens, ar_lengths, split = tiny_target_and_split()
+  cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=40, input_length=S,
+                                     target_length=L, learning_rate=3e-3, warmup_steps=5,
+                                     log_every=10, eval_every=1000, eval_examples=N,
+                                     head={"fuse_layers": (0,)})
+  result = train_eagle.train(cfg, report=lambda s: None, train_split=split, eval_split=split,
+                             target=target, target_params=tp)
+  assert result.head.target_layers == (0,)
+  losses = [h["loss"] for h in result.history]
+  assert losses[-1] < 0.7 * losses[0], losses

@@ -184,7 +184,9 @@ class Committed:
   final decoder states from this iteration's verify call, at its inputs
   [s_m (the old m), proposal node 0 .. K - 1]: state i is what the target read its
   logits at input i from (None for models that expose none). Feature-level
-  drafters read it here, so they need no second target pass.
+  drafters read it here, so they need no second target pass. A drafter whose
+  `target_layers` names decoder layers gets [B, K + 1, D * (1 + len(layers))]: the
+  final states, then the residual streams after those layers.
   """
   tokens: jax.Array
   length: jax.Array

@@ -20,9 +20,17 @@ Head cache entry t holds the pair (f_t, s_{t+1}) at position t, so a head
 cache of length m has consumed the pairs of s_0 .. s_{m-1}: the same length
 as the target cache at the top of a speculative iteration.
 
+EAGLE-3's multi-layer feature fusion (`EagleConfig.fuse_layers`): where the target
+computed the state, the head is fed W_fuse [f_t; norm(l_t^i) for the listed layers i]
+(l^i: the residual stream after target decoder layer i, low and middle layers beside
+the final state) instead of f_t; its own predictions stay D-wide, so drafting feeds
+them as before. The verify call returns those streams when the drafter asks
+(`Drafter.target_layers`), so fusion costs no second target pass either.
+
 Parameters (T5X-style names): fc/kernel [2D, D]; feature_norm, token_norm,
 final_norm scales [D]; relpos_bias/rel_embedding; layers_0/... with the names
-of a T5 decoder layer. The block is `t5.T5.decoder_layer`, not a copy.
+of a T5 decoder layer; with fuse_layers also fuse/kernel [(1 + L) D, D] and
+fuse_norm_<i>/scale [D]. The block is `t5.T5.decoder_layer`, not a copy.
 """
 
 from __future__ import annotations
@@ -50,10 +58,16 @@ class EagleConfig:
   relative_attention_max_distance: int = 128
   layer_norm_epsilon: float = 1e-6
   dtype: Any = jnp.float32
+  fuse_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+    object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))
+    bad = [i for i in self.fuse_layers if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+    if bad or len(set(self.fuse_layers)) != len(self.fuse_layers):
+      raise ValueError(f"EagleConfig.fuse_layers must be distinct decoder layer indices >= 0, "
+                       f"got {self.fuse_layers!r}")
     self.block_config  # validates the shared fields
 
   @classmethod
@@ -82,6 +96,9 @@ class EagleConfig:
     d = dataclasses.asdict(self)
     d["dtype"] = jnp.dtype(self.dtype).name
     d["mlp_activations"] = list(self.mlp_activations)
+    d["fuse_layers"] = list(self.fuse_layers)
+    if not self.fuse_layers:
+      del d["fuse_layers"]  # an EAGLE-1 head's file reads as before
     return d
 
   @classmethod
@@ -131,7 +148,37 @@ class EagleHead(base.ParamSpecs):
                           init.variance_scaling(1.0, "fan_in", "normal"))
     for name in ("feature_norm", "token_norm", "final_norm"):
       specs[f"{name}/scale"] = ((D,), ("embed",), init.ones)
+    if c.fuse_layers:  # EAGLE-3: the final state and the listed layers' streams fused
+      specs["fuse/kernel"] = (((1 + len(c.fuse_layers)) * D, D), ("mlp", "embed"),
+                              init.variance_scaling(1.0, "fan_in", "normal"))
+      for i in c.fuse_layers:
+        specs[f"fuse_norm_{i}/scale"] = ((D,), ("embed",), init.ones)
     return specs
+
+  @property
+  def target_layers(self) -> tuple[int, ...]:
+    """Target decoder layers whose residual streams the head reads beside the final state."""
+    return self.config.fuse_layers
+
+  def target_input(self, params, hidden_BTF):
+    """The feature the head is fed where the target computed one: the target's final
+    state [B, T, D] (EAGLE-1), or with `fuse_layers` (EAGLE-3's multi-layer fusion) the
+    projection W_fuse [f; norm(l_i) ...] of the final state f and the residual streams l_i
+    after those layers, given as hidden [B, T, D * (1 + len(fuse_layers))]
+    (`Committed.target_hidden` of a drafter asking for `target_layers`)."""
+    c = self.config
+    if not c.fuse_layers:
+      return hidden_BTF
+    D = c.d_model
+    if hidden_BTF.shape[-1] != D * (1 + len(c.fuse_layers)):
+      raise ValueError(f"an EAGLE-3 head fusing layers {c.fuse_layers} needs features of "
+                       f"{D * (1 + len(c.fuse_layers))}, got {hidden_BTF.shape[-1]}")
+    parts = [hidden_BTF[..., :D].astype(c.dtype)]
+    for j, i in enumerate(c.fuse_layers, start=1):
+      parts.append(t5._rms_norm(hidden_BTF[..., j * D:(j + 1) * D].astype(c.dtype),
+                                params[f"fuse_norm_{i}"]["scale"], c.layer_norm_epsilon))
+    return jnp.einsum("BTE,ED->BTD", jnp.concatenate(parts, axis=-1),
+                      params["fuse"]["kernel"].astype(c.dtype))
 
   def check_params(self, params) -> None:
     """Raises ValueError unless `params` has this head's names and shapes."""
@@ -140,6 +187,11 @@ class EagleHead(base.ParamSpecs):
   def check_target(self, target) -> None:
     """Raises ValueError unless `target` is a T5 whose features this head reads."""
     check_feature_target(target, self.d_model, self.vocab_size, "an EAGLE head")
+    layers = target.config.num_decoder_layers
+    if any(i >= layers for i in self.config.fuse_layers):
+      raise ValueError(f"an EAGLE-3 head fusing layers {self.config.fuse_layers} needs a target "
+                       f"with more than {max(self.config.fuse_layers)} decoder layers, got "
+                       f"{layers}")
 
   # ------------------------------------------------------------------ running
   def init_cache(self, params, encoded: t5.EncoderOutput, max_decode_len: int) -> t5.DecodeCache:

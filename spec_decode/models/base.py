@@ -117,10 +117,13 @@ class DecodeOutput:
   cache:  the cache with the T tokens appended (lengths + T).
   hidden: [B, T, D] the final decoder states the logits are read from (after
           the last norm), or None for models without features (n-gram tables).
+  features: [B, T, L * D] the residual streams after the decoder layers a caller asked
+          for (`T5.decode(layers=...)`, in that order, concatenated), or None.
   """
   logits: jax.Array
   cache: Any
   hidden: Any = None
+  features: Any = None
 
 
 @runtime_checkable

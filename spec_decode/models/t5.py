@@ -523,7 +523,7 @@ class T5(base.ParamSpecs):
         encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))
 
   def decode(self, params: Params, cache: DecodeCache, tokens, *, positions=None,
-             tree_mask=None) -> base.DecodeOutput:
+             tree_mask=None, layers: tuple[int, ...] = ()) -> base.DecodeOutput:
     """Appends tokens [B, T] at each row's cache length (slots lengths .. lengths + T - 1).
 
     By default token t of row b sits at position lengths[b] + t and attends to
@@ -531,12 +531,19 @@ class T5(base.ParamSpecs):
     `tree_mask` [B, T, T] override the new tokens' positions (relative-position
     buckets come from them) and which new tokens each one sees (see
     `models.base`). Returns float32 logits [B, T, V], the final decoder states
-    [B, T, D] and the cache with lengths + T.
+    [B, T, D] and the cache with lengths + T; with `layers` (decoder layer indices) also
+    the residual streams after those layers as `features` [B, T, len(layers) * D]
+    (multi-layer features for EAGLE-3-style heads).
     """
     tokens = _check_tokens(tokens, "tokens", self.config.vocab_size)
     positions, tree_mask = base.check_tree_args(tokens, positions, tree_mask)
     cache.check_append(tokens)
-    return self._decode(params, cache, tokens, positions, tree_mask)
+    layers = tuple(int(i) for i in layers)
+    bad = [i for i in layers if not 0 <= i < self.config.num_decoder_layers]
+    if bad:
+      raise ValueError(f"decode: layers {bad} are not decoder layers of this model (0 .. "
+                       f"{self.config.num_decoder_layers - 1})")
+    return self._decode(params, cache, tokens, positions, tree_mask, layers)
 
   def self_attention_geometry(self, rel_embedding_NR, offsets_B, T: int, L: int,
                               positions=None, tree_mask=None):
@@ -598,8 +605,9 @@ class T5(base.ParamSpecs):
     h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
     return x + self._mlp(p["mlp"], h), k_all, v_all
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None):
+  @functools.partial(jax.jit, static_argnums=(0, 6))
+  def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None,
+              layers: tuple[int, ...] = ()):
     c = self.config
     dec = params["decoder"]
     B, T = tokens.shape
@@ -610,7 +618,7 @@ class T5(base.ParamSpecs):
     cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
                                   (B, T, cache.encoder_mask.shape[1]))
     x = self._embed(params, tokens)
-    new_k, new_v = [], []
+    new_k, new_v, after = [], [], {}
     x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_decoder_layers):
       p = self._get(dec[f"layers_{i}"], x_prev)
@@ -620,12 +628,15 @@ class T5(base.ParamSpecs):
                                            cache.cross_v[i], cross_mask)
       new_k.append(k_all)
       new_v.append(v_all)
+      after[i] = x
     norm, head = self._get((dec["decoder_norm"]["scale"], self._head_kernel(params)), x_prev)
     normed = _Normed(x, norm, c.layer_norm_epsilon)  # the logits' input, and the states out
     return base.DecodeOutput(logits=self._logits(head, normed),
                              cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
                                                  lengths=offsets + T),
-                             hidden=normed.value())
+                             hidden=normed.value(),
+                             features=(jnp.concatenate([after[i] for i in layers], axis=-1)
+                                       if layers else None))
 
   def logits_from_hidden(self, params, x_BTD):
     """The LM head: final decoder states [B, T, D] -> float32 logits [B, T, V]."""

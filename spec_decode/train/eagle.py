@@ -1,4 +1,5 @@
-"""Training an EAGLE head on a frozen target (EAGLE-1 losses + EAGLE-3's training-time test).
+"""Training an EAGLE head on a frozen target (EAGLE-1 losses + EAGLE-3's training-time test;
+with `head={'fuse_layers': (i, j)}` also EAGLE-3's multi-layer feature fusion).
 
     python -m spec_decode.cli.train --gin_file=configs/demo/ende_eagle.gin
 
@@ -109,10 +110,13 @@ def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unrol
                ce_weight: float):
   """(loss, metrics) of one batch; see the module doc."""
   dec_in = batch["decoder_inputs"]
-  encoded, feats, logp = target_features(target, target_params, batch["encoder_tokens"], dec_in)
+  encoded, hidden, logp = target_features(target, target_params, batch["encoder_tokens"],
+                                          dec_in, head.target_layers)
+  feats = hidden[..., :head.d_model]  # the final states: what the head's predictions match
   w = batch["weights"]
   embed_fn = lambda tokens: target.embed(target_params, tokens)
-  preds = unrolled_predictions(head, params, encoded, feats, embed_fn, dec_in, unroll)
+  preds = unrolled_predictions(head, params, encoded, head.target_input(params, hidden),
+                               embed_fn, dec_in, unroll)
   total, norm, metrics = 0.0, 0.0, {}
   for j, pred in enumerate(preds, start=1):
     wj = shift_left(w, j)

@@ -52,12 +52,16 @@ class HeadTrainConfig(trainer.RunConfig):
 
 
 # ----------------------------------------------------------------------------- loss helpers
-def target_features(target: t5.T5, target_params, encoder_tokens, decoder_inputs):
-  """(encoded, features [B, T, D], log p [B, T, V]) of the frozen target, teacher-forced."""
+def target_features(target: t5.T5, target_params, encoder_tokens, decoder_inputs,
+                    layers: tuple[int, ...] = ()):
+  """(encoded, features [B, T, D], log p [B, T, V]) of the frozen target, teacher-forced;
+  with `layers`, features [B, T, D * (1 + len(layers))]: the final states, then the residual
+  streams after those decoder layers (as the verify call gives them to a drafter)."""
   encoded = target.encode(target_params, encoder_tokens)
   cache = target.init_cache(target_params, encoded, decoder_inputs.shape[1])
-  out = target.decode(target_params, cache, decoder_inputs)
-  return (jax.lax.stop_gradient(encoded), jax.lax.stop_gradient(out.hidden),
+  out = target.decode(target_params, cache, decoder_inputs, layers=layers)
+  hidden = jnp.concatenate([out.hidden, out.features], -1) if layers else out.hidden
+  return (jax.lax.stop_gradient(encoded), jax.lax.stop_gradient(hidden),
           jax.lax.stop_gradient(jax.nn.log_softmax(out.logits, axis=-1)))
 
 

@@ -176,15 +176,17 @@ class Speculative(runner.Algorithm):
 
       proposal, draft_state = self.drafter.propose(ctx, s.draft, committed, draft_keys, g)
       target_in = jnp.concatenate([committed.token_at(m)[:, None], proposal.tokens], axis=1)
+      layers = self.drafter.target_layers(ctx.draft)  # multi-layer features, when asked
+      extra = {"layers": layers} if layers else {}
       if self.verifier.chain_only:
-        out = target.decode(params, s.target_cache, target_in)
+        out = target.decode(params, s.target_cache, target_in, **extra)
       else:
         depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), proposal.depths()], axis=1)
         tree = proposal.ancestor_mask()  # among the nodes; every node sees s_m
         mask = jnp.concatenate([jnp.zeros((B, 1, K), bool), tree], axis=1)
         mask = jnp.concatenate([jnp.ones((B, K + 1, 1), bool), mask], axis=2)
         out = target.decode(params, s.target_cache, target_in, positions=m[:, None] + depth,
-                            tree_mask=mask)
+                            tree_mask=mask, **extra)
       target_cache = ctx.constrain_cache(out.cache, "target")
       if sampling.greedy and self.verifier.chain_only and self.verifier.greedy_is_matching:
         verdict = greedy_verdict(jnp.argmax(out.logits, axis=-1).astype(jnp.int32), proposal)
@@ -215,7 +217,8 @@ class Speculative(runner.Algorithm):
         kept = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path + 1], axis=1)
         target_cache = target_cache.keep(m, kept, count)
       committed = Committed(tokens=out_tokens, length=new_length, it=s.it,
-                            target_hidden=out.hidden)
+                            target_hidden=(jnp.concatenate([out.hidden, out.features], -1)
+                                           if layers else out.hidden))
       draft_state = self.drafter.commit(ctx, draft_state, committed, verdict, proposal)
 
       decided_at = (j[:, :K] < verdict.decided[:, None]) & active[:, None]  # [B, K]

@@ -44,6 +44,11 @@ class Drafter:
   def check_models(self, target, draft) -> None:
     """Raises ValueError when the models cannot serve this drafter."""
 
+  def target_layers(self, draft) -> tuple[int, ...]:
+    """Target decoder layers whose residual streams `commit` reads beside the final states
+    (`Committed.target_hidden`); () for none (the default)."""
+    return ()
+
   def init(self, ctx, room: int):
     raise NotImplementedError
 

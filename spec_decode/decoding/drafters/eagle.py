@@ -68,6 +68,11 @@ class FeatureHead(Protocol):
            tree_mask=None):
     """(predicted next features [B, T, D], cache with lengths + T)."""
 
+  target_layers: tuple[int, ...]  # target decoder layers read beside the final state
+
+  def target_input(self, params, hidden_BTF):
+    """The D-wide feature fed to `step` from the target's states (`Committed.target_hidden`)."""
+
 
 @flax.struct.dataclass
 class EagleState:
@@ -86,6 +91,9 @@ class EagleDrafter(Drafter):
       raise ValueError(f"EagleDrafter needs an EagleHead as the draft model "
                        f"(spec_decode.heads.eagle), got {type(draft).__name__}")
     draft.check_target(target)
+
+  def target_layers(self, draft) -> tuple[int, ...]:
+    return tuple(draft.target_layers)
 
   def init(self, ctx, room: int):
     if ctx.mesh is not None:
@@ -128,14 +136,14 @@ class EagleDrafter(Drafter):
   def commit(self, ctx, state: EagleState, committed: Committed, verdict, proposal):
     head, hp = ctx.draft, ctx.draft_params
     target, tp = ctx.target, ctx.target_params
-    hidden = committed.target_hidden  # [B, K + 1, D]: f_m .. f_{m+K} along the proposal
+    hidden = committed.target_hidden  # [B, K + 1, D (x layers)]: f_m .. f_{m+K} on the proposal
     if hidden is None:
       raise ValueError("EagleDrafter needs the target's decoder features (target_hidden)")
     K1 = hidden.shape[1]
     m = state.cache.lengths
     # s_{m+1} .. s_{m+K+1}: the tokens chosen after f_m .. f_{m+K} (junk past the new length).
     nxt = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (K1,)))(committed.tokens, m)
-    pred, cache = head.step(hp, state.cache, hidden, target.embed(tp, nxt))
+    pred, cache = head.step(hp, state.cache, head.target_input(hp, hidden), target.embed(tp, nxt))
     new_length = committed.length
     last = jnp.clip(new_length - m - 1, 0, K1 - 1)  # pair m' - 1 predicts f_{m'}
     feature = jnp.take_along_axis(pred, last[:, None, None], axis=1)[:, 0]
@@ -150,6 +158,9 @@ class EagleTreeDrafter(TreeDrafter):
 
   def check_models(self, target, draft) -> None:
     EagleDrafter().check_models(target, draft)
+
+  def target_layers(self, draft) -> tuple[int, ...]:
+    return EagleDrafter().target_layers(draft)
 
   def init(self, ctx, room: int):
     return EagleDrafter().init(ctx, room)
@@ -178,7 +189,7 @@ class EagleTreeDrafter(TreeDrafter):
     return Proposal(tokens=tok, q=None, parent=par, confidence=conf), state
 
   def commit(self, ctx, state: EagleState, committed: Committed, verdict, proposal):
-    hidden = committed.target_hidden  # [B, K + 1, D] at [s_m, node 0 .. K - 1]
+    hidden = committed.target_hidden  # [B, K + 1, D (x layers)] at [s_m, node 0 .. K - 1]
     if hidden is None:
       raise ValueError("EagleTreeDrafter needs the target's decoder features (target_hidden)")
     along = jnp.concatenate([jnp.zeros_like(verdict.path[:, :1]), verdict.path[:, :self.depth]
