@@ -30,7 +30,7 @@ from experiments import harness, setups
 from experiments.harness import Column, fmt
 
 MODELS = ("target", "large", "base", "small", "small_distilled")
-TASK_MODELS = {"ende": ("target_big",) + MODELS}  # the big target exists for EnDe only
+TASK_MODELS = {task: ("target_big",) + MODELS for task in ("ende", "cnndm")}
 METRICS = {"ende": ("bleu",), "cnndm": ("rouge1", "rouge2", "rougeLsum")}
 
 
