@@ -52,18 +52,25 @@ def sweep(args) -> list[dict[str, Any]]:
                            + ("_compact" if args.compact_batch else ""))
     print(f"batch {B} -> {run_dir}", flush=True)
     summary = setups.run(s, run_dir, show_progress=args.progress)
-    gamma = summary["experiment"]["decoders"]["speculative"]["gamma"]
+    # gamma 0: the gamma choice fell back to the autoregressive loop (GammaChoice
+    # .fallback_below); the costs and predictions below are then at its best gamma
+    choice = summary.get("gamma_selection") or {}
+    fell_back = choice.get("gamma") == 0
+    gamma = (choice[choice["rule"]]["gamma"] if fell_back
+             else summary["experiment"]["decoders"]["speculative"]["gamma"])
     pc = _costs(args, s, B, gamma)
     t = summary["timing"]
     n = summary["completed"]
     lengths = summary["mean_output_length"]
-    alpha, c, r = summary["alpha"], pc["c"]["speculative"], pc["verify_ratio"][gamma + 1]
+    alpha = choice["alpha"] if fell_back else summary["alpha"]
+    c, r = pc["c"]["speculative"], pc["verify_ratio"][gamma + 1]
     ok = alpha is not None and not math.isnan(alpha)
     rows.append({
-        "batch_size": B, "gamma": gamma, "examples": n, "alpha": alpha,
+        "batch_size": B, "gamma": 0 if fell_back else gamma, "best_gamma": gamma,
+        "fallback": choice.get("fallback"), "examples": n, "alpha": alpha,
         "tokens_per_call": summary["tokens_per_target_call"], "c": c, "verify_ratio": r,
-        "c_spread": pc["c_rounds"]["speculative"], "c_run": t["c"],
-        "verify_ratio_run": t["verify_ratio"],
+        "c_spread": pc["c_rounds"]["speculative"], "c_run": t.get("c"),
+        "verify_ratio_run": t.get("verify_ratio"),
         "thm38_run": summary["speedup_predicted"],
         "target_step_ms": pc["target_step"]["median"] * 1e3,
         "draft_step_ms": pc["proposal"]["speculative"]["median"] / gamma * 1e3,
@@ -184,7 +191,10 @@ def run(args, meta) -> harness.Output:
           Column("cost_model", "cost model", x)]
   target = f", target {args.demo_target}" if args.demo_target else ""
   gamma = (f"gamma {args.gamma}" if args.gamma else "gamma chosen at each batch size by the "
-           "cost model with the verify costs measured at that batch size")
+           "cost model with the verify costs measured at that batch size (gamma 0: the costs "
+           "said speculation cannot pay there, so the speculative decoder ran the "
+           "autoregressive loop, and alpha, c, T_verify/T_p and the predictions are those of "
+           "the best gamma it would have used, from its warm-up)")
   notes = [f"{args.scale} scale, task {args.task}{target}, draft {args.draft}, {gamma}, "
            f"temperature {args.temperature:g}, the same {args.num_examples} examples at every "
            "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",

@@ -378,8 +378,8 @@ def test_batch_scaling_with_chosen_gamma_and_compaction(out):
       "--scale", "tiny", "--batch_sizes", "2", "--num_examples", "2", "--gamma", "auto",
       "--compact_batch", "--temperature", "1", "--repeats", "2", "--inner", "1",
       "--gin_bindings", "GammaChoice.max_gamma = 3", "--gin_bindings",
-      "GammaChoice.warmup_examples = 2", "--no_plots",
-      "--results_dir", out["results"], "--runs_dir", out["runs"]])
+      "GammaChoice.warmup_examples = 2", "--gin_bindings", "GammaChoice.fallback_below = None",
+      "--no_plots", "--results_dir", out["results"], "--runs_dir", out["runs"]])
   assert paths["md"].endswith("batch_scaling_ende_compact.md")
   (row,) = _json(paths["json"])["rows"]
   run_dir = os.path.join(out["runs"], "tiny", "ende_small_t1_gauto_b2_compact")
@@ -389,6 +389,24 @@ def test_batch_scaling_with_chosen_gamma_and_compaction(out):
   assert experiment_json["baseline"]["compact_batch"] is True
   assert experiment_json["decoders"]["speculative"]["compact_batch"] is True
   assert "shrink their batch" in open(paths["md"]).read()
+
+
+@pytest.mark.slow
+def test_batch_scaling_reports_a_fallback(out):
+  """A batch size where the gamma choice falls back (forced by the threshold) is a row at
+  gamma 0 whose costs and predictions are those of the gamma it would have used."""
+  paths = batch_scaling.main([
+      "--scale", "tiny", "--batch_sizes", "1", "--num_examples", "1", "--gamma", "auto",
+      "--repeats", "2", "--inner", "1", "--gin_bindings", "GammaChoice.max_gamma = 2",
+      "--gin_bindings", "GammaChoice.warmup_examples = 1",
+      "--gin_bindings", "GammaChoice.fallback_below = 1000.0", "--no_plots",
+      "--results_dir", out["results"], "--runs_dir", out["runs"]])
+  (row,) = _json(paths["json"])["rows"]
+  choice = _json(os.path.join(out["runs"], "tiny", "ende_small_t0_gauto_b1", "gamma.json"))
+  assert row["gamma"] == choice["gamma"] == 0
+  assert row["best_gamma"] == choice["cost_model"]["gamma"] >= 1
+  assert row["alpha"] == choice["alpha"] and "speculation cannot pay" in row["fallback"]
+  assert row["identical"] == 1.0 and row["cost_model"] > 0
 
 
 @pytest.mark.slow

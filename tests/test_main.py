@@ -365,6 +365,7 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
            "--gin.GammaChoice.warmup_examples=2",
            # Thm 3.8's rule: the cost model's extra verify timers are covered on one process
            "--gin.GammaChoice.rule='thm_3_8'",
+           "--gin.GammaChoice.fallback_below=None",  # speculate at the chosen gamma
            "--gin.ExperimentConfig.mesh='data=2,model=2'"]
   fast = "--xla_backend_optimization_level=0"  # as conftest.py: compile time rules here
   env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -395,10 +396,14 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
 @pytest.mark.slow
 def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   out = str(tmp_path / "auto")
-  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2"]
+  # Speculating whatever the prediction (the random toy pair may predict a slowdown, which
+  # the fallback test below covers).
+  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2",
+            "GammaChoice.fallback_below = None"]
   bindings = SMALL + ["NUM_EXAMPLES = 4"] + choose
   summary = main.run([TOY], bindings, out, show_progress=False)
   choice = summary["gamma_selection"]
+  assert "fallback" not in choice
   with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
     assert json.load(f) == choice
   # The default rule charges the measured verify costs (N = 2..6, 8, 10, 11 tokens).
@@ -424,6 +429,42 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert again["gamma_selection"] == dict(choice, alpha=0.123456)
   assert again["experiment"]["decoders"]["speculative"]["gamma"] == choice["gamma"]
   assert again["completed"] == 6
+
+
+@pytest.mark.slow
+def test_gamma_choice_falls_back_to_the_autoregressive_loop(tmp_path):
+  """Where the measured costs predict a slowdown at every gamma (here forced by a threshold
+  no pair reaches), the chosen gamma is 0: the speculative decoder runs the autoregressive
+  loop, with the same outputs as the baseline, says so, and a resumed run keeps it."""
+  out = str(tmp_path / "fallback")
+  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2",
+            "GammaChoice.max_gamma = 3", "GammaChoice.fallback_below = 1000.0"]
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 3"] + choose, out, show_progress=False)
+  choice = summary["gamma_selection"]
+  with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
+    assert json.load(f) == choice
+  best = choice["cost_model"]
+  assert choice["gamma"] == 0 and 1 <= best["gamma"] <= 3 and best["predicted_speedup"] < 1000
+  assert (f"cost model predicts {best['predicted_speedup']:.2f}X at its best gamma "
+          f"({best['gamma']};" in choice["fallback"])
+  assert "below GammaChoice.fallback_below = 1000" in choice["fallback"]
+  spec = summary["experiment"]["decoders"]["speculative"]
+  assert spec["name"] == "autoregressive" and summary["experiment"]["draft"] is None
+  for r in _rows(out):
+    assert r["decoders"]["speculative"]["tokens"] == r["decoders"]["autoregressive"]["tokens"]
+    assert "decided_at" not in r["decoders"]["speculative"]["stats"]
+  assert summary["identical_fraction"] == 1.0 and summary["alpha"] is None
+  text = main.format_summary(summary)
+  assert "gamma 0 (autoregressive) ==" in text and "gamma 0: speculation cannot pay" in text
+  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 4"] + choose, out, show_progress=False)
+  assert again["gamma_selection"] == choice and again["completed"] == 4
+  assert again["experiment"]["decoders"]["speculative"]["name"] == "autoregressive"
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_gamma_choice_fallback_threshold_is_checked(value):
+  with pytest.raises(ValueError, match="GammaChoice.fallback_below must be a finite speedup"):
+    experiment.GammaChoice(fallback_below=value)
 
 
 @pytest.mark.slow

@@ -112,10 +112,12 @@ def format_summary(summary: dict) -> str:
   exp, timing = summary.get("experiment", {}), summary.get("timing", {})
   temperature = exp.get("sampling", {}).get("temperature", 0.0)
   primary = exp.get("decoders", {}).get(summary.get("primary")) or {}
+  choice = summary.get("gamma_selection") or {}
+  gamma = "0 (autoregressive)" if choice.get("gamma") == 0 else primary.get("gamma")
   out_dir = summary.get("output_dir")
   lines = [f"== {exp.get('task')} ({exp.get('split')}): {summary.get('completed')} of "
            f"{summary.get('num_examples')} examples, temperature {temperature:g}, "
-           f"gamma {primary.get('gamma')} =="]
+           f"gamma {gamma} =="]
   if out_dir:
     lines.append(f"files: {out_dir}/ (predictions.jsonl: one row per example; results.json: "
                  "every number; table_row.md; config.gin)")
@@ -147,8 +149,9 @@ def format_summary(summary: dict) -> str:
     lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
                  f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "
                  f"{timing.get('target_step_seconds', 0) * 1e3:.2f} ms)")
-  choice = summary.get("gamma_selection")
-  if choice:
+  if choice.get("fallback"):
+    lines.append(f"gamma 0: {choice['fallback']}")
+  elif choice:
     how = ("the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) with the verify "
            "costs measured" if choice.get("rule", "thm_3_8") == "cost_model" else "Thm 3.8")
     lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma ({how}) from "

@@ -16,6 +16,7 @@ that would not is refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -43,12 +44,18 @@ class GammaChoice:
   'cost_model' (default) picks the gamma in 1 .. max_gamma maximizing E[tokens] /
   (gamma c + T_verify(gamma + 1) / T_p) with the verify costs measured; 'thm_3_8'
   maximizes Theorem 3.8's factor, which charges a verify call one step.
+
+  fallback_below: gamma 0, i.e. the decoder runs the autoregressive loop, when the rule's
+  predicted speedup at its best gamma is below this (1.0: whenever the costs measured at
+  the run's batch size say speculation cannot pay, as on a compute-bound batch); None:
+  always speculate at the best gamma.
   """
   decoder: str = "speculative"
   rule: str = "cost_model"
   max_gamma: int = 10
   warmup_examples: int = 16
   warmup_gamma: int = 4
+  fallback_below: float | None = 1.0
 
   def __post_init__(self):
     if not isinstance(self.decoder, str) or not self.decoder:
@@ -58,6 +65,11 @@ class GammaChoice:
     for name in ("max_gamma", "warmup_examples", "warmup_gamma"):
       if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"GammaChoice.{name} must be an int >= 1, got {getattr(self, name)!r}")
+    f = self.fallback_below
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float, np.floating))
+                          or not math.isfinite(f) or f <= 0):
+      raise ValueError(f"GammaChoice.fallback_below must be a finite speedup > 0 or None, "
+                       f"got {f!r}")
 
   def check(self, decoders: Mapping[str, decoding.Algorithm]) -> None:
     """Raises ValueError unless `decoders` holds a chain decoder of this name drafting at
@@ -209,6 +221,16 @@ class ExperimentConfig:
     decoders = dict(self.decoders, **{name: dataclasses.replace(self.decoders[name],
                                                                   gamma=gamma)})
     return dataclasses.replace(self, decoders=decoders, gamma_choice=None)
+
+  def without_speculation(self, name: str) -> "ExperimentConfig":
+    """This config with decoder `name` replaced by the autoregressive loop (with its
+    compact_batch setting) and no gamma choice: a gamma choice's fallback (gamma 0). The
+    draft is dropped when no decoder drafts with it any more."""
+    algo = decoding.Autoregressive(compact_batch=self.decoders[name].compact_batch)
+    decoders = dict(self.decoders, **{name: algo})
+    drafting = any(a.needs_draft for a in decoders.values())
+    return dataclasses.replace(self, decoders=decoders, gamma_choice=None,
+                               draft=self.draft if drafting else None)
 
   def to_json(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -47,8 +46,11 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
   if bool(setup.broadcast(np.bool_(recorded))):
     choice = None
     if setup.is_writer():
-      with open(path) as f:
-        choice = json.load(f)
+      choice = results.read_state_json(path, "the gamma chosen from warm-up measurements")
+      if not isinstance(choice.get("gamma"), int) or choice["gamma"] < 0:
+        raise results.OutputDirError(f"{path} (the gamma chosen from warm-up measurements) "
+                                     f"is corrupt: gamma {choice.get('gamma')!r} is not an "
+                                     "int >= 0; delete it to choose again")
   else:
     cfg = s.config
     warmup = s.examples[:gc.warmup_examples]
@@ -84,9 +86,30 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
           theory.cost_model_improvement(alpha, cm_gamma, c, ratios))}
     choice["gamma"] = choice[gc.rule]["gamma"]
     choice["predicted_speedup"] = choice[gc.rule]["predicted_speedup"]
+    if gc.fallback_below is not None and choice["predicted_speedup"] < gc.fallback_below:
+      choice["fallback"] = fallback_message(gc, choice)
+      choice["gamma"] = 0
     if setup.is_writer():
       results.write_json(path, choice)
   gamma = int(setup.broadcast(np.int32(choice["gamma"] if setup.is_writer() else 0)))
   choice = dict(choice or {}, gamma=gamma)  # every process decodes with process 0's choice
   logging.info("gamma chosen: %s", choice)
   return choice
+
+
+def fallback_message(gc, choice: dict[str, Any]) -> str:
+  """Why a gamma choice fell back to the autoregressive loop (gamma 0), in one sentence."""
+  rule = "the cost model" if gc.rule == "cost_model" else "Thm 3.8"
+  return (f"speculation cannot pay here: {rule} predicts {choice['predicted_speedup']:.2f}X at "
+          f"its best gamma ({choice[gc.rule]['gamma']}; alpha {choice['alpha']:.3f}, c "
+          f"{choice['c']:.3f}{_verify_cost(choice, gc.rule)}), below GammaChoice.fallback_below "
+          f"= {gc.fallback_below:g}, so decoder {gc.decoder!r} ran the autoregressive loop "
+          "(gamma 0); GammaChoice.fallback_below = None speculates anyway")
+
+
+def _verify_cost(choice: dict[str, Any], rule: str) -> str:
+  if rule != "cost_model":
+    return ""
+  n = str(choice["cost_model"]["gamma"] + 1)
+  ratio = choice.get("verify_ratio_fitted", {}).get(n)
+  return "" if ratio is None else f", T_verify({n}) / T_p {ratio:.2f}"

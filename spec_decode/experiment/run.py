@@ -9,7 +9,8 @@ one). Each batch is timed after compilation (the first call of each decoder is t
 its own and reported as compile time); `timing_repeats` > 1 takes the median of that
 many runs per batch. The step costs (T_p, each decoder's proposal, c, the verify
 ratios) are measured after the rows, on one batch (`experiment.measure`), and a gamma
-chosen from warm-up measurements before them (`experiment.gamma`). Rows are appended
+chosen from warm-up measurements before them (`experiment.gamma`; gamma 0, the
+autoregressive loop, where those costs say speculation cannot pay). Rows are appended
 to `predictions.jsonl` after every batch; a rerun with the same output_dir skips the
 examples already there (refusing a changed config or a checkpoint changed in place),
 and the summary (`results.json`, `table_row.md`, see `experiment.report`) is always
@@ -172,7 +173,12 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
         + (" and the verify costs" if gc.rule == "cost_model" else "")
         + f" on {gc.warmup_examples} warm-up examples")
     gamma_choice = gamma.choose_gamma(s, output_dir)
-    s = dataclasses.replace(s, config=config.with_gamma(gc.decoder, gamma_choice["gamma"]))
+    if gamma_choice["gamma"] == 0:  # the measured costs say speculation cannot pay
+      if "fallback" in gamma_choice:
+        say(gamma_choice["fallback"])
+      s = dataclasses.replace(s, config=config.without_speculation(gc.decoder))
+    else:
+      s = dataclasses.replace(s, config=config.with_gamma(gc.decoder, gamma_choice["gamma"]))
   compile_times = {}  # this run's; empty when nothing was left to decode
   if todo:
     say(f"compiling {'both decoders' if len(config.algorithms) == 2 else 'the decoders'} and "
