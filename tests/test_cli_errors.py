@@ -156,6 +156,86 @@ def test_default_output_dir_is_per_user_and_checkout(monkeypatch):
   assert other != here and os.path.dirname(other) == os.path.dirname(here)
 
 
+def test_default_output_dir_of_another_user_or_open_to_others_is_refused(tmp_path):
+  mine = tmp_path / "spec_decode-me" / "default-1234"
+  main.check_default_output_dir(str(mine))  # creates the parent, private
+  assert oct(os.stat(mine.parent).st_mode & 0o777) == oct(0o700)
+  mine.mkdir()
+  main.check_default_output_dir(str(mine))
+  os.chmod(mine, 0o777)  # e.g. made by another user with a permissive umask
+  with pytest.raises(results.OutputDirError, match=r"default-1234 may be written by any "
+                                                   r"user \(mode 777\); pass --output_dir"):
+    main.check_default_output_dir(str(mine))
+  os.rmdir(mine)
+  os.symlink(tmp_path, mine)
+  with pytest.raises(results.OutputDirError, match="default-1234 is a symbolic link"):
+    main.check_default_output_dir(str(mine))
+  if os.getuid() == 0:  # root can hand the directory to another user
+    os.unlink(mine)
+    mine.mkdir()
+    os.chown(mine, 12345, -1)
+    with pytest.raises(results.OutputDirError, match=r"belongs to another user \(uid 12345\)"):
+      main.check_default_output_dir(str(mine))
+
+
+@pytest.mark.parametrize("planted", [results.LOCK, results.PREDICTIONS])
+def test_links_planted_in_the_output_dir_are_not_written_through(tmp_path, planted):
+  """A symbolic link in place of the lock or the predictions file is refused by name; the
+  atomic writes create their temporary file under a fresh name and replace a link at the
+  destination itself, so the file it pointed to is never written."""
+  out, victim = tmp_path / "out", tmp_path / "victim.txt"
+  out.mkdir()
+  victim.write_text("precious\n")
+  os.symlink(victim, out / planted)
+  with pytest.raises(results.OutputDirError, match=f"{planted} is a symbolic link"):
+    if planted == results.LOCK:
+      with results.locked(str(out)):
+        pass
+    else:
+      results.append_rows(str(out / planted), [{"index": 0}])
+  for name in ("results.json", "results.json.tmp"):  # the old temporary name, planted
+    os.symlink(victim, out / name)
+  results.write_json(str(out / "results.json"), {"a": 1})
+  assert victim.read_text() == "precious\n"
+  assert not os.path.islink(out / "results.json")
+  assert json.loads((out / "results.json").read_text()) == {"a": 1}
+  assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == ["results.json.tmp"]
+
+
+@pytest.mark.parametrize("content", ['{"task": "x"', "\xff\xfe", "[1, 2]", "[" * 100000])
+def test_corrupt_state_files_are_named(tmp_path, content):
+  """config.json and runs.json that are not JSON objects (cut short, binary, another
+  program's, absurdly nested) are errors naming the file, never a JSONDecodeError."""
+  for name, read in ((results.CONFIG, lambda: results.check_config(str(tmp_path), {"a": 1})),
+                     (results.RUNS, lambda: results.read_runs(str(tmp_path)))):
+    (tmp_path / name).write_bytes(content.encode("latin-1"))
+    with pytest.raises(results.OutputDirError, match=f"{name} .* is corrupt"):
+      read()
+
+
+@pytest.mark.parametrize("line", ['{"index": 1e999}', '{"index": -3}', '{"index": "0"}',
+                                  '{"index": true}', '{"index": ' + "[" * 100000 + "}"])
+def test_absurd_prediction_rows_are_named(tmp_path, line):
+  path = tmp_path / results.PREDICTIONS
+  path.write_text('{"index": 0}\n' + line + "\n")
+  with pytest.raises(ValueError, match=f"{results.PREDICTIONS}:2 is not a prediction row"):
+    results.read_rows(str(path))
+
+
+def test_table_row_escapes_labels():
+  """A model label with '|' and a line break stays one cell of one table row."""
+  import types
+  from spec_decode import decoding
+  from spec_decode.experiment import report
+  config = types.SimpleNamespace(
+      algorithms={"speculative": decoding.Speculative(gamma=3)}, primary="speculative",
+      draft=types.SimpleNamespace(label="small | v2\nfinal"), task="my|task",
+      sampling=decoding.Sampling())
+  row = report.table_row(config, {"alpha": 0.5, "timing": {"c": 0.1}, "speedup_predicted": 1.5,
+                                  "speedup_measured": 1.2})
+  assert row == "| my\\|task | small \\| v2 final | 0 | 3 | 0.50 | 0.100 | 1.50 | 1.20 |"
+
+
 def test_missing_extra_names_the_extra():
   err = ModuleNotFoundError("No module named 'seqio'", name="seqio")
   assert cli.is_known(err)

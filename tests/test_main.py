@@ -193,6 +193,42 @@ def test_resume_after_kill(tmp_path, greedy_run):
 
 
 @pytest.mark.slow
+def test_ctrl_c_ends_in_one_line_and_the_rerun_resumes(tmp_path):
+  """SIGINT after the first rows: exit 130 and one line (no traceback) saying how many
+  examples are saved where and how to resume; the rerun's summary says it resumed."""
+  out = str(tmp_path / "interrupted")
+  cmd = [sys.executable, "-m", "spec_decode.main", f"--output_dir={out}", "--noprogress",
+         f"--gin_file={TOY}", "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
+         "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  path = os.path.join(out, results.PREDICTIONS)
+  deadline = time.time() + 400
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.exists(path) and os.path.getsize(path) > 0:
+        break
+      time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == 130, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  saved = len(_rows(out))
+  last = [line for line in err.splitlines() if line.strip()][-1]
+  assert last == (f"spec_decode.main: interrupted: {saved} examples are saved in {path}; "
+                  "rerun the same command to resume from them"), err[-3000:]
+  assert 2 <= saved < 10
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 10"], out, show_progress=False)
+  assert summary["completed"] == 10
+  assert (f"resumed: {saved} of 10 examples were already decoded, {10 - saved} decoded by this "
+          "run") in main.format_summary(summary)
+
+
+@pytest.mark.slow
 def test_sampled_resume_is_exact(tmp_path):
   """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
   bindings = SMALL + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]

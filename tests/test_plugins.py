@@ -185,6 +185,24 @@ def test_registries_and_runner_checks():
                  draft_params=other.init(jax.random.PRNGKey(0)), max_decode_len=4)
 
 
+def test_params_of_another_model_are_refused_by_role():
+  """The target's and the draft's params swapped, or a checkpoint of another shape: a
+  ValueError naming the role and a parameter, before anything is traced."""
+  big = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=16))
+  small = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=16, num_encoder_layers=1,
+                                   num_decoder_layers=1))
+  wide = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=16, mlp_dim=40))
+  pb, ps = big.init(jax.random.PRNGKey(0)), small.init(jax.random.PRNGKey(1))
+  enc = np.array([[3, 4, 1]], np.int32)
+  with pytest.raises(ValueError, match=r"the target's params do not fit the target model "
+                                       r"\(T5, .*missing \(e.g. decoder/layers_1/.*swapped"):
+    decoding.speculative(big, ps, small, pb, enc, gamma=2, max_decode_len=4)
+  with pytest.raises(ValueError, match=r"the draft's params do not fit .* not in the model"):
+    decoding.speculative(big, pb, small, pb, enc, gamma=2, max_decode_len=4)
+  with pytest.raises(ValueError, match=r"of another shape \(e.g. .*mlp.*\(\d+, 40\)"):
+    decoding.autoregressive(wide, pb, enc, max_decode_len=4)
+
+
 def test_token_ids_and_checks_are_public_in_base():
   assert (base.PAD_ID, base.BOS_ID, base.EOS_ID) == (0, 0, 1)
   with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 5\)"):

@@ -113,6 +113,7 @@ def test_sample_from_large_vocabularies_blocks_and_zeros(V):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf"), top_k=5), "temperature must be finite"),
     (dict(top_k=-2), "top_k"),
     (dict(top_k=2.5), "top_k"),
     (dict(top_p=0.0), "top_p"),

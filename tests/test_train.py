@@ -99,6 +99,43 @@ def test_data_outside_the_vocabulary_is_refused():
     train.train(_cfg(), train_split=wide, eval_split=split, report=lambda s: None)
 
 
+def test_settings_that_would_waste_or_lose_a_run_are_refused_before_training(tmp_path):
+  with pytest.raises(ValueError, match="num_steps must be an int >= 1 .*untrained"):
+    _cfg(num_steps=0)
+  for lr in (0.0, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match="finite learning_rate > 0"):
+      _cfg(learning_rate=lr)
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  for field in ("export_path", "workdir"):
+    with pytest.raises(ValueError, match=f"TrainConfig.{field} .*file is a file, not a dir"):
+      _cfg(**{field: str(a_file)})
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path):
+  """A learning rate that makes the run diverge: training stops at the first non-finite
+  loss, saves and exports nothing after it, and the last good checkpoint stays."""
+  split, val = _copy_split(100, 0), _copy_split(16, 1)
+  workdir, export = str(tmp_path / "run"), str(tmp_path / "export")
+  kw = dict(train_split=split, eval_split=val, report=lambda s: None)
+  train.train(_cfg(num_steps=2, workdir=workdir, save_every=2, warmup_steps=0), **kw)
+  with pytest.raises(train.trainer.NonFiniteLossError,
+                     match=r"the training loss is (nan|inf) at step \d+ .*stay as they were"):
+    train.train(_cfg(num_steps=40, workdir=workdir, save_every=1, warmup_steps=0,
+                     learning_rate=1e30, export_path=export), **kw)
+  import os
+  assert not os.path.exists(export)
+  msgs = []  # what is saved resumes, and is finite
+  r = train.train(_cfg(num_steps=3, workdir=workdir, save_every=1000, warmup_steps=0), **dict(
+      kw, report=msgs.append))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(r.params))
+  # Another run's train state (another optimizer's slots) is named, not an Orbax dump.
+  with pytest.raises(ValueError, match=r"cannot resume from the train state saved at step \d "
+                                       r"in .*run.*another run's") as info:
+    train.train(_cfg(num_steps=4, workdir=workdir, optimizer="adafactor"), **kw)
+  assert len(str(info.value)) < 800
+
+
 @pytest.mark.slow
 def test_resume_gives_the_same_next_step(tmp_path):
   split, val = _copy_split(100, 0), _copy_split(16, 1)

@@ -50,6 +50,8 @@ from __future__ import annotations
 import getpass
 import hashlib
 import os
+import stat
+import sys
 import tempfile
 from typing import Sequence
 
@@ -87,13 +89,37 @@ def default_output_dir(gin_files: Sequence[str]) -> str:
   return os.path.join(tempfile.gettempdir(), f"spec_decode-{user}", f"{name}-{checkout}")
 
 
+def check_default_output_dir(output_dir: str) -> None:
+  """The default output directory has a predictable name in a shared temporary directory,
+  so another user could have made it first (with links inside leading to your files):
+  refuse it, and its parent, unless they are real directories of this user that not every
+  user may write. Creates the parent, private, where it is missing."""
+  from spec_decode.experiment import results
+  parent = os.path.dirname(output_dir)
+  os.makedirs(parent, mode=0o700, exist_ok=True)
+  for d in (parent, output_dir):
+    try:
+      st = os.lstat(d)
+    except FileNotFoundError:
+      continue
+    why = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+           f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.getuid() else
+           f"may be written by any user (mode {stat.S_IMODE(st.st_mode):o})"
+           if st.st_mode & 0o002 else None)
+    if why:
+      raise results.OutputDirError(f"the default output directory {d} {why}; pass "
+                                   "--output_dir=DIR (a directory of your own)")
+
+
 def run(gin_files: Sequence[str], gin_bindings: Sequence[str], output_dir: str | None, *,
         show_progress: bool = True) -> dict:
   """What the command does, callable from Python: parse the gin files into an
   `ExperimentConfig` and run it (`gin_layer.run_experiment`) into output_dir (default:
-  `default_output_dir`)."""
+  `default_output_dir`, refused where another user could have planted it)."""
   gin_files = list(gin_files) or [DEFAULT_GIN_FILE]
-  output_dir = output_dir or default_output_dir(gin_files)
+  if not output_dir:
+    output_dir = default_output_dir(gin_files)
+    check_default_output_dir(output_dir)
   return gin_layer.run_experiment(gin_files, gin_bindings, output_dir,
                                   show_progress=show_progress)
 
@@ -171,9 +197,31 @@ def format_summary(summary: dict) -> str:
     lines.append(f"identical outputs: {summary['identical_fraction']:.1%} ({why})")
   if summary.get("machine"):
     lines.append(f"machine: {report.machine_line(summary['machine'])}")
+  resume = summary.get("resume") or {}
+  if resume.get("already_done"):
+    lines.append(f"resumed: {resume['already_done']} of {resume['total']} examples were "
+                 f"already decoded, {resume['decoded_now']} decoded by this run"
+                 + (" (already complete: nothing decoded or re-measured)"
+                    if resume.get("already_complete") else ""))
   for notice in summary.get("notices", ()):
     lines.append(f"note: {notice}")
   return "\n".join(lines)
+
+
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
+
+
+def interrupted_line(output_dir: str) -> str:
+  """What a Ctrl-C leaves: how many examples are saved where, and how to go on."""
+  path = os.path.join(output_dir, "predictions.jsonl")
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+    saved = sum(1 for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip())
+  except OSError:
+    saved = 0
+  return (f"{PROGRAM}: interrupted: {saved} examples are saved in {path}; rerun the same "
+          "command to resume from them")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -183,8 +231,15 @@ def main(argv: Sequence[str]) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     errors.quiet_logging()
     distributed.initialize_from_flags()  # no-op for one process
-    summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
-                  show_progress=FLAGS.progress and jax.process_index() == 0)
+    output_dir = FLAGS.output_dir or default_output_dir(FLAGS.gin_file or [DEFAULT_GIN_FILE])
+    try:
+      summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
+                    show_progress=FLAGS.progress and jax.process_index() == 0)
+    except KeyboardInterrupt:
+      if FLAGS.verbose:
+        raise
+      print(f"\n{interrupted_line(output_dir)}", file=sys.stderr, flush=True)
+      raise SystemExit(EXIT_INTERRUPTED) from None
     if summary:  # process 0
       print(format_summary(summary))
 

@@ -28,7 +28,8 @@ MIN_TEMPERATURE = 1e-6
 @configurable.register
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """temperature 0 (argmax) or >= MIN_TEMPERATURE; top_k >= 0 (0 = off); 0 < top_p <= 1."""
+  """temperature 0 (argmax) or finite and >= MIN_TEMPERATURE; top_k >= 0 (0 = off);
+  0 < top_p <= 1."""
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -36,6 +37,9 @@ class Sampling:
   def __post_init__(self):
     if not (self.temperature >= 0.0) or self.temperature != self.temperature:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.temperature == float("inf"):  # every logit / inf ties: top_k would be ignored
+      raise ValueError("temperature must be finite, got inf (for the uniform distribution "
+                       "over the vocabulary use a large finite temperature)")
     if 0.0 < self.temperature < MIN_TEMPERATURE:
       raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where "
                        "logits / temperature overflow float32; use 0 for greedy decoding")

@@ -37,15 +37,20 @@ def _fmt(x, digits: int = 2) -> str:
   return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def md_cell(text: Any) -> str:
+  """`text` as one Markdown table cell: line breaks become spaces, '|' is escaped."""
+  return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def table_row(config, summary: Mapping[str, Any]) -> str:
   """The primary decoder as a row of the paper's Table 4 (Table 2's columns plus c and the
   prediction). alpha is the estimated alpha (mean beta); c has 3 decimals (the paper's 2
   would round small drafts to 0); speedups are walltime factors over the baseline.
   """
   algo = config.algorithms[config.primary]
-  draft = config.draft.label if config.draft is not None else "-"
+  draft = md_cell(config.draft.label) if config.draft is not None else "-"
   gamma = "-" if algo.gamma is None else algo.gamma
-  return (f"| {TASK_LABELS.get(config.task, config.task)} | {draft} | "
+  return (f"| {md_cell(TASK_LABELS.get(config.task, config.task))} | {draft} | "
           f"{config.sampling.temperature:g} | {gamma} | {_fmt(summary['alpha'])} | "
           f"{_fmt(summary['timing'].get('c'), 3)} | {_fmt(summary['speedup_predicted'])} | "
           f"{_fmt(summary['speedup_measured'])} |")

@@ -26,6 +26,7 @@ import getpass
 import json
 import os
 import socket
+import tempfile
 import time
 from typing import Any, Iterable, Mapping
 
@@ -83,8 +84,10 @@ def read_rows(path: str) -> dict[int, dict]:
       continue
     try:
       row = json.loads(line)
-      index = int(row["index"])
-    except (ValueError, KeyError, TypeError) as e:
+      index = row["index"]
+      if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"index {index!r} is not an int >= 0")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
       raise ValueError(f"{path}:{lineno} is not a prediction row: {line[:200]!r}; remove the "
                        "line (or use a new output_dir)") from e
     if index in rows:
@@ -105,31 +108,67 @@ def read_rows(path: str) -> dict[int, dict]:
   return rows
 
 
+def read_state_json(path: str, what: str) -> dict:
+  """A JSON object this project wrote into an output directory (config.json, runs.json,
+  gamma.json), or an OutputDirError naming the file when it is not one (truncated by a
+  full disk, edited by hand, another program's file)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+  except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError included
+    raise OutputDirError(f"{path} ({what}) is corrupt: {type(e).__name__}: {e}; delete it "
+                         "(the run redoes what it recorded) or use a new output_dir") from None
+  if not isinstance(obj, dict):
+    raise OutputDirError(f"{path} ({what}) is corrupt: expected a JSON object, got "
+                         f"{type(obj).__name__}; delete it or use a new output_dir")
+  return obj
+
+
+def _open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
+  """os.open that refuses a symbolic link at `path` (a link planted in an output directory
+  would have this run write through it into a file elsewhere)."""
+  try:
+    return os.open(path, flags | os.O_NOFOLLOW, mode)
+  except OSError:
+    if os.path.islink(path):
+      raise OutputDirError(f"{path} is a symbolic link (to {os.readlink(path)!r}); a run "
+                           "writes only files of its own there: remove the link, or pass "
+                           "another --output_dir") from None
+    raise
+
+
 def append_rows(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
   """Appends rows as JSON lines in one write, flushed and fsync'ed."""
   text = "".join(json.dumps(dict(r), sort_keys=True, allow_nan=True) + "\n" for r in rows)
   if not text:
     return
-  with open(path, "a", encoding="utf-8") as f:
+  fd = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+  with open(fd, "a", encoding="utf-8") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes obj as JSON atomically (temporary file, then rename)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  """Writes obj as JSON atomically (a new temporary file, then rename)."""
+  write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
 
 
 def write_text(path: str, text: str) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  """Writes text atomically: into a temporary file this call creates (a random name,
+  O_EXCL, so nothing planted under the name is written through), then renamed over path
+  (which replaces a link at path, never its target)."""
+  directory, name = os.path.split(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+  try:
+    with open(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 def check_config(output_dir: str, config: Mapping[str, Any], *,
@@ -143,8 +182,7 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
   path = os.path.join(output_dir, CONFIG)
   config = json.loads(json.dumps(dict(config), sort_keys=True))
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      previous = json.load(f)
+    previous = read_state_json(path, "the settings of the runs that wrote here")
     skip = set(may_differ)
     old = _dotted({k: v for k, v in previous.items() if k not in skip})
     new = _dotted({k: v for k, v in config.items() if k not in skip})
@@ -187,7 +225,7 @@ def locked(output_dir: str, *, enabled: bool = True):
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, LOCK)
   while True:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_no_follow(path, os.O_RDWR | os.O_CREAT)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -231,8 +269,7 @@ def read_runs(output_dir: str) -> dict[str, dict]:
   path = os.path.join(output_dir, RUNS)
   if not os.path.exists(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return read_state_json(path, "the runs that wrote here and their timings")
 
 
 def record_run(output_dir: str, run_id: str, info: Mapping[str, Any]) -> None:

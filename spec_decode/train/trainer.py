@@ -91,8 +91,22 @@ class RunConfig:
       v = getattr(self, field)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}.{field} must be an int >= 1, got {v!r}")
-    if self.num_steps < 0 or self.warmup_steps < 0 or self.learning_rate <= 0:
-      raise ValueError(f"{name} needs num_steps >= 0, warmup_steps >= 0, learning_rate > 0")
+    if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) \
+        or self.num_steps < 1:
+      raise ValueError(f"{name}.num_steps must be an int >= 1 (0 would export the initial "
+                       f"parameters untrained), got {self.num_steps!r}")
+    if self.warmup_steps < 0 or not 0 < self.learning_rate < float("inf"):
+      raise ValueError(f"{name} needs warmup_steps >= 0 and a finite learning_rate > 0, got "
+                       f"{self.warmup_steps!r} and {self.learning_rate!r}")
+    for field, what in (("export_path", "the export is a checkpoint directory (new or empty)"),
+                        ("workdir", "it holds the run's checkpoints")):
+      path = getattr(self, field)
+      if path and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name}.{field} {path} is a file, not a directory: {what}")
+
+
+class NonFiniteLossError(ValueError):
+  """A training step's loss was NaN or infinite (a diverged run)."""
 
 
 @flax.struct.dataclass
@@ -192,7 +206,15 @@ def _restore_state(manager, state: TrainState) -> TrainState:
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
       {"step": state.step, "params": state.params, "opt_state": state.opt_state})
-  restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+  try:
+    restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+  except Exception as e:  # Orbax raises ValueError, KeyError, RuntimeError, ... by cause
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    raise ValueError(
+        f"cannot resume from the train state saved at step {latest} in {manager.directory}: "
+        f"{type(e).__name__}: {first}. It is another run's (another model, optimizer or "
+        "head) or it is damaged; use a new workdir, or delete that step's directory to "
+        "resume from an earlier one") from e
   return TrainState(step=jnp.asarray(restored["step"], jnp.int32), params=restored["params"],
                     opt_state=restored["opt_state"])
 
@@ -267,6 +289,14 @@ def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eva
                                 **batch_kw)
     state, metrics = train_step(state, batch, frozen_params)
     done = step + 1
+    loss = float(metrics["loss"])  # the loop waits for each step anyway (state.step)
+    if not np.isfinite(loss):
+      raise NonFiniteLossError(
+          f"the training loss is {loss} at step {done} (gradient norm "
+          f"{float(metrics['grad_norm'])}): training stopped; nothing after step {step} is "
+          "saved or exported" + (f" (the checkpoints in {cfg.workdir} stay as they were)"
+                                 if manager is not None else "")
+          + "; lower the learning rate, or check the data and the initial checkpoint")
     if done % cfg.log_every == 0 or done == cfg.num_steps:
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}
       m["step"] = done
