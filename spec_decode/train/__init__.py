@@ -7,12 +7,24 @@
   data, losses         batches by step; cross-entropy, z-loss and distillation divergences
 
 Every config has `run()`; `python -m spec_decode.cli.train --gin_file=...` runs the one
-its gin file binds. Nothing below the experiment layer imports training.
+its gin file binds. Every module of this package is imported with it, so a new recipe file
+registers its config with gin without another edit. Nothing below the experiment layer
+imports training.
 """
 
-from spec_decode.train import data, eagle, heads, losses, medusa, models, mtp, trainer
-# _initial_params: the T5 trainer's start from (or growth of) an init checkpoint, which tests read.
-from spec_decode.train.models import TrainConfig, TrainResult, _initial_params, train  # noqa: F401
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):  # registration: every recipe's config
+  importlib.import_module(f"{__name__}.{_module.name}")
+
+# noqa: E402 below: the names are imported after the registration loop.
+from spec_decode.train import data, eagle, heads, losses, medusa, models, mtp  # noqa: E402
+from spec_decode.train import trainer  # noqa: E402
+# _initial_params: the T5 trainer's start from (or growth of) an init checkpoint, which tests
+# read.
+from spec_decode.train.models import (  # noqa: E402,F401
+    TrainConfig, TrainResult, _initial_params, train)
 
 __all__ = ["TrainConfig", "TrainResult", "data", "eagle", "heads", "losses", "medusa", "models",
            "mtp", "train", "trainer"]
