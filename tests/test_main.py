@@ -152,15 +152,15 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
     main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 
 
-@pytest.mark.slow
-def test_resume_after_kill(tmp_path, greedy_run):
-  out = str(tmp_path / "killed")
-  # Slow batches (40 timed runs each) so the kill lands mid-way.
+def _interrupt_after_first_rows(out: str, sig: int) -> tuple[int, str, str]:
+  """spec_decode.main on 10 toy examples into `out`, sent `sig` once its first rows are
+  written (slow batches, 40 timed runs each, so the signal lands mid-way): (exit code,
+  stderr, predictions path)."""
   cmd = [sys.executable, "-m", "spec_decode.main", f"--output_dir={out}", "--noprogress",
-         f"--gin_file={TOY}",
-         "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
+         f"--gin_file={TOY}", "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
          "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
   path = os.path.join(out, results.PREDICTIONS)
   deadline = time.time() + 400
   try:
@@ -168,11 +168,19 @@ def test_resume_after_kill(tmp_path, greedy_run):
       if os.path.exists(path) and os.path.getsize(path) > 0:
         break
       time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-    proc.send_signal(signal.SIGKILL)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
     proc.wait()
+  return proc.returncode, err, path
+
+
+@pytest.mark.slow
+def test_resume_after_kill(tmp_path, greedy_run):
+  out = str(tmp_path / "killed")
+  _interrupt_after_first_rows(out, signal.SIGKILL)
   before = _rows(out)
   assert 2 <= len(before) < 10 and not os.path.exists(os.path.join(out, results.RESULTS))
   summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 10"], out, show_progress=False)
@@ -197,25 +205,8 @@ def test_ctrl_c_ends_in_one_line_and_the_rerun_resumes(tmp_path):
   """SIGINT after the first rows: exit 130 and one line (no traceback) saying how many
   examples are saved where and how to resume; the rerun's summary says it resumed."""
   out = str(tmp_path / "interrupted")
-  cmd = [sys.executable, "-m", "spec_decode.main", f"--output_dir={out}", "--noprogress",
-         f"--gin_file={TOY}", "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
-         "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
-  path = os.path.join(out, results.PREDICTIONS)
-  deadline = time.time() + 400
-  try:
-    while time.time() < deadline and proc.poll() is None:
-      if os.path.exists(path) and os.path.getsize(path) > 0:
-        break
-      time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    proc.kill()
-    proc.wait()
-  assert proc.returncode == 130, err[-3000:]
+  code, err, path = _interrupt_after_first_rows(out, signal.SIGINT)
+  assert code == 130, err[-3000:]
   assert "Traceback" not in err, err[-3000:]
   saved = len(_rows(out))
   last = [line for line in err.splitlines() if line.strip()][-1]
