@@ -194,10 +194,10 @@ def test_params_of_another_model_are_refused_by_role():
   wide = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=16, mlp_dim=40))
   pb, ps = big.init(jax.random.PRNGKey(0)), small.init(jax.random.PRNGKey(1))
   enc = np.array([[3, 4, 1]], np.int32)
-  with pytest.raises(ValueError, match=r"the target's params do not fit the target model "
+  with pytest.raises(ValueError, match=r"the target's params do not match its config "
                                        r"\(T5, .*missing \(e.g. decoder/layers_1/.*swapped"):
     decoding.speculative(big, ps, small, pb, enc, gamma=2, max_decode_len=4)
-  with pytest.raises(ValueError, match=r"the draft's params do not fit .* not in the model"):
+  with pytest.raises(ValueError, match=r"the draft's params do not match .* not in the model"):
     decoding.speculative(big, pb, small, pb, enc, gamma=2, max_decode_len=4)
   with pytest.raises(ValueError, match=r"of another shape \(e.g. .*mlp.*\(\d+, 40\)"):
     decoding.autoregressive(wide, pb, enc, max_decode_len=4)

@@ -213,7 +213,8 @@ EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 def interrupted_line(output_dir: str) -> str:
   """What a Ctrl-C leaves: how many examples are saved where, and how to go on."""
-  path = os.path.join(output_dir, "predictions.jsonl")
+  from spec_decode.experiment import results
+  path = os.path.join(output_dir, results.PREDICTIONS)
   try:
     with open(path, "rb") as f:
       data = f.read()

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_decode import compile_options, partitioning, tree_util
+from spec_decode import compile_options, partitioning
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models import base, offload
@@ -304,6 +304,14 @@ def check_streamed_params(role: str, model, params) -> None:
                      f"{off[0]}); place them with spec_decode.models.offload.to_host(params)")
 
 
+@functools.lru_cache(maxsize=64)
+def _param_layout(model) -> tuple:
+  """(tree structure, leaf shapes) of `model`'s parameters, as `jax.tree.flatten` gives them
+  (models are frozen dataclasses, hashable: they are jit-static)."""
+  leaves, treedef = jax.tree.flatten(model.param_shapes())
+  return treedef, [tuple(x.shape) for x in leaves]
+
+
 def check_params_fit(role: str, model, params) -> None:
   """Raises ValueError naming `role` unless `params` have the names and shapes `model`'s
   config describes (a model that describes its parameters, `base.ParamSpecs`): params of
@@ -311,21 +319,11 @@ def check_params_fit(role: str, model, params) -> None:
   otherwise fail deep inside the jitted loop with a KeyError or a shape error."""
   if params is None or not isinstance(model, base.ParamSpecs):
     return
-  want = {p: tuple(s) for p, (s, _, _) in model._param_specs().items()}
-  got = {p: tuple(np.shape(v)) for p, v in tree_util.flatten(params).items()}
-  if want == got:
-    return
-  missing = sorted(set(want) - set(got))
-  extra = sorted(set(got) - set(want))
-  shapes = sorted(p for p in set(want) & set(got) if want[p] != got[p])
-  parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
-           f"{len(extra)} not in the model (e.g. {extra[0]})" if extra else "",
-           f"{len(shapes)} of another shape (e.g. {shapes[0]}: {got[shapes[0]]}, the model's "
-           f"{want[shapes[0]]})" if shapes else ""]
-  raise ValueError(f"the {role}'s params do not fit the {role} model "
-                   f"({type(model).__name__}, {model.num_params():,} parameters): "
-                   + "; ".join(p for p in parts if p)
-                   + " (are they another model's, e.g. the target's and the draft's swapped?)")
+  leaves, treedef = jax.tree.flatten(params)
+  if (treedef, [tuple(getattr(x, "shape", ())) for x in leaves]) == _param_layout(model):
+    return  # the common case, without building names (this runs on every decode call)
+  model.check_param_names(params, f"the {role}'s", hint=(
+      " (are they another model's, e.g. the target's and the draft's swapped?)"))
 
 
 def _impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids,

@@ -273,10 +273,21 @@ class ParamSpecs:
   def num_params(self) -> int:
     return sum(int(np.prod(s)) for s, _, _ in self._param_specs().values())
 
-  def check_param_names(self, params, what: str) -> None:
-    """Raises ValueError naming `what` unless `params` has exactly the specs' names and shapes."""
+  def check_param_names(self, params, what: str, hint: str = "") -> None:
+    """Raises ValueError naming `what` unless `params` has exactly the specs' names and
+    shapes: how many are missing, not in the model or of another shape, an example of each,
+    then `hint`."""
     want = {p: tuple(s) for p, (s, _, _) in self._param_specs().items()}
     got = {p: tuple(np.shape(v)) for p, v in tree_util.flatten(params).items()}
-    if want != got:
-      diff = sorted(set(want.items()) ^ set(got.items()))
-      raise ValueError(f"{what} params do not match its config: {diff[:6]}")
+    if want == got:
+      return
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    shapes = sorted(p for p in set(want) & set(got) if want[p] != got[p])
+    parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+             f"{len(extra)} not in the model (e.g. {extra[0]})" if extra else "",
+             f"{len(shapes)} of another shape (e.g. {shapes[0]}: {got[shapes[0]]}, the "
+             f"model's {want[shapes[0]]})" if shapes else ""]
+    raise ValueError(f"{what} params do not match its config ({type(self).__name__}, "
+                     f"{self.num_params():,} parameters): " + "; ".join(p for p in parts if p)
+                     + hint)
