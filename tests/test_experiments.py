@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, demo_quality, heads, paper_tables,
-                         peers, reproduce, results_readme, setups, trees, verify_scaling)
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
+                         paper_tables, peers, reproduce, results_readme, setups, trees,
+                         verify_scaling)
 from spec_decode import decoding, experiment, theory
 from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
@@ -433,6 +434,31 @@ def test_trees_tiny(out):
     assert r["expected_tokens_conf"] == pytest.approx(1 + sum(mass[:r["budget"]]))
     assert r["t_verify_ratio"] > 0 and r["predicted_speedup"] > 0
   assert sum(r["chosen"] for r in res["rows"][1:]) == (choice["budget"] != 3)
+
+
+@pytest.mark.slow
+def test_draft_free_tiny(out):
+  paths = draft_free.main(["--scale", "tiny", "--temperatures", "0,1", "--num_examples", "2",
+                           "--repeats", "1", "--cost_repeats", "2", "--bigram_examples", "20",
+                           "--results_dir", out["results"]])
+  res = _json(paths["json"])
+  rows = res["rows"]
+  names = ["lookup", "lookup, <= 2 after a 1-gram", "layer skip 1", "layer skip 2",
+           "lookup, else layer skip 1", "bigram table", "small draft"]
+  assert [r["decoder"] for r in rows] == names * 2
+  assert [r["temperature"] for r in rows] == [0.0] * 7 + [1.0] * 7
+  for r in rows:
+    assert r["tokens_per_call"] >= 1 and r["c"] > 0 and r["speedup"] > 0
+    assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small"}.get(
+        r["decoder"], "none")
+    assert r["identical_fraction"] == (1.0 if r["temperature"] == 0 else None)
+  # the lookup proposes no more than its cap after a single-token match; the chains always gamma
+  assert rows[1]["drafted_per_call"] <= rows[0]["drafted_per_call"]
+  assert all(r["drafted_per_call"] == 4 for r in rows if r["decoder"].startswith("layer"))
+  with pytest.raises(SystemExit):
+    draft_free.main(["--tasks", "fr"])
+  with pytest.raises(SystemExit):
+    draft_free.main(["--layers", "0"])
 
 
 @pytest.mark.slow

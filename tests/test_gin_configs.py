@@ -38,7 +38,9 @@ def _build():
   if gin_layer.bound(experiment.ExperimentConfig):
     cfg = gin.get_configurable(experiment.ExperimentConfig)()
     assert isinstance(cfg.target, model_specs.ModelSpec)
-    assert isinstance(cfg.draft, model_specs.ModelSpec)
+    # a draft-free experiment (source lookup, layer skip) has none
+    assert isinstance(cfg.draft, model_specs.ModelSpec) or (
+        cfg.draft is None and not any(a.needs_draft for a in cfg.algorithms.values()))
     assert cfg.task in data.task_names()
     built.append(cfg)
   for cls in configurable.runnable().values():

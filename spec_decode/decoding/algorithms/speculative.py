@@ -69,14 +69,21 @@ class Speculative(runner.Algorithm):
   compact_batch: shrink the batch as rows finish (`runner.compacting_loop`: halved
   whenever at most half the rows are active; unsharded runs); every row's output is
   unchanged, the iterations after most rows finished cost a smaller batch.
+  trim_verify: for drafters whose proposals often fall short of gamma
+  (`Drafter.varies_length`: source lookup), verify only as many positions as the longest
+  active row needs, among `verify_sizes(K)` (see `_verify_chain`); outputs unchanged.
   """
   gamma: int = 4
   lenience: float = 1.0
   drafter: Drafter = ModelDrafter()
   verifier: Verifier = ChainVerifier()
   compact_batch: bool = False
+  trim_verify: bool = True
 
-  needs_draft = True
+  @property
+  def needs_draft(self) -> bool:
+    """Whether `run` must be given a draft model: the drafter's `needs_draft_model`."""
+    return self.drafter.needs_draft_model
 
   def __post_init__(self):
     if not runner.is_int(self.gamma) or self.gamma < 1:
@@ -97,8 +104,9 @@ class Speculative(runner.Algorithm):
                        f"{type(self.verifier).__name__} verifies chains only; use a tree "
                        f"verifier, e.g. TreeVerifier()")
     self.verifier.check_drafter(self.drafter)
-    if not isinstance(self.compact_batch, bool):
-      raise ValueError(f"compact_batch must be True or False, got {self.compact_batch!r}")
+    for name in ("compact_batch", "trim_verify"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
   @property
   def max_proposal(self) -> int:
@@ -179,7 +187,8 @@ class Speculative(runner.Algorithm):
       layers = self.drafter.target_layers(ctx.draft)  # multi-layer features, when asked
       extra = {"layers": layers} if layers else {}
       if self.verifier.chain_only:
-        out = target.decode(params, s.target_cache, target_in, **extra)
+        out = self._verify_chain(target, params, s.target_cache, target_in, proposal, active,
+                                 extra)
       else:
         depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), proposal.depths()], axis=1)
         tree = proposal.ancestor_mask()  # among the nodes; every node sees s_m
@@ -235,6 +244,41 @@ class Speculative(runner.Algorithm):
                     target_cache=target_cache, draft=draft_state, stats=stats)
 
     return body
+
+  def _verify_chain(self, target, params, cache, target_in, proposal, active, extra):
+    """The target's call on [s_m, chain] (target_in [B, K + 1]). A chain of a drafter that
+    often proposes fewer than K tokens (`Drafter.varies_length`) is scored on only the first
+    `verify_sizes` entry that holds 1 + the longest active row's proposal (a lax.switch
+    over those sizes; logits and states padded back to K + 1, never read past a row's
+    length), so a step where no row proposes anything costs one target step."""
+    K1 = target_in.shape[1]
+    if proposal.length is None or not (self.trim_verify and self.drafter.varies_length):
+      return target.decode(params, cache, target_in, **extra)
+    sizes = verify_sizes(K1 - 1)
+    need = 1 + jnp.max(jnp.where(active, proposal.proposed, 0))
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
+
+    def call(T):
+      def run(cache, target_in):
+        out = target.decode(params, cache, target_in[:, :T], **extra)
+        pad = lambda x: None if x is None else jnp.pad(
+            x, [(0, 0), (0, K1 - T)] + [(0, 0)] * (x.ndim - 2))
+        return out.replace(logits=pad(out.logits), hidden=pad(out.hidden),
+                           features=pad(out.features))
+      return run
+
+    return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), [call(T) for T in sizes], cache,
+                          target_in)
+
+
+def verify_sizes(K: int) -> tuple[int, ...]:
+  """The verify call's token counts for chains of up to K tokens with ragged lengths:
+  1, 2, 3, 5, 9, .. (1 + powers of two) below K + 1, and K + 1."""
+  sizes, n = {1, K + 1}, 1
+  while n < K:
+    sizes.add(1 + n)
+    n *= 2
+  return tuple(sorted(sizes))
 
 
 def speculative(target, target_params, draft, draft_params, encoder_tokens, *, gamma: int,

@@ -32,7 +32,16 @@ class Drafter:
   sibling_draws: how a sampled tree draws a node's children, 'with_replacement' or
   'without_replacement'; None for chains and deterministic trees (a verifier whose rule
   depends on it checks it: `TreeRRSVerifier`).
+  needs_draft_model: whether the decode call must be given a draft model (`ctx.draft`); a
+  draft-free drafter (source lookup, the target's own layers) says False, and the
+  speculative loop then runs with the target alone.
+  varies_length: whether a proposal's length often falls short of gamma (a lookup that
+  matched nothing proposes none); the speculative loop then verifies only as many
+  positions as the longest row proposed (`Speculative.trim_verify`), at the price of a
+  compiled verify call per size.
   """
+  needs_draft_model: ClassVar[bool] = True
+  varies_length: ClassVar[bool] = False
   proposes_trees: ClassVar[bool] = False
   reports_confidence: ClassVar[bool] = False
   sibling_draws: ClassVar[str | None] = None

@@ -19,12 +19,13 @@ x, block verification likewise, and greedy verification keeps the target's argma
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
-import jax
 import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.base import Drafter
+from spec_decode.decoding.drafters.model import ModelDrafter
 from spec_decode.decoding.types import Committed, Proposal
 from spec_decode.models.base import PAD_ID
 
@@ -87,11 +88,21 @@ class LookupDrafter(Drafter):
   """Proposes up to gamma tokens by source lookup (module doc); needs no draft model.
 
   max_ngram / min_ngram: the n-gram sizes tried, longest first. search_output: also look
-  in the row's own committed output (after its source).
+  in the row's own committed output (after its source). tokens_per_ngram: the most tokens
+  proposed after a match of n tokens (entry n - 1; the last entry for longer n), e.g.
+  (2, 4) proposes at most 2 tokens after a single-token match, whose continuation is
+  the least likely to be right; None: gamma after any match. fallback: what a row with no
+  match proposes: None (default) proposes nothing (the verify call is a plain target
+  step), or a chain drafter (e.g. `ModelDrafter()` with a draft model, which then runs
+  every iteration, for every row: static shapes) whose proposal such a row takes.
   """
   max_ngram: int = 3
   min_ngram: int = 1
   search_output: bool = True
+  tokens_per_ngram: tuple[int, ...] | None = None
+  fallback: Drafter | None = None
+
+  varies_length = True
 
   def __post_init__(self):
     for name in ("max_ngram", "min_ngram"):
@@ -104,12 +115,69 @@ class LookupDrafter(Drafter):
     if not isinstance(self.search_output, bool):
       raise ValueError(f"LookupDrafter.search_output must be True or False, got "
                        f"{self.search_output!r}")
+    t = self.tokens_per_ngram
+    if t is not None:
+      if isinstance(t, list):
+        t = tuple(t)
+        object.__setattr__(self, "tokens_per_ngram", t)
+      if (not isinstance(t, tuple) or not t
+          or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in t)):
+        raise ValueError(f"LookupDrafter.tokens_per_ngram must be None or a non-empty tuple "
+                         f"of ints >= 0, got {t!r}")
+    fb = self.fallback
+    if fb is not None:
+      if not isinstance(fb, Drafter):
+        raise ValueError(f"LookupDrafter.fallback must be a Drafter or None, got "
+                         f"{type(fb).__name__}")
+      if (not isinstance(fb, ModelDrafter)
+          or "forced" not in inspect.signature(type(fb).propose).parameters):
+        raise ValueError(f"LookupDrafter.fallback must be None, ModelDrafter() (the draft "
+                         f"model) or LayerSkipDrafter() (the target's first layers), got "
+                         f"{type(fb).__name__}")
+
+  @property
+  def needs_draft_model(self) -> bool:  # overrides the class attribute
+    return self.fallback is not None and self.fallback.needs_draft_model
+
+  def check_models(self, target, draft) -> None:
+    if self.fallback is not None:
+      self.fallback.check_models(target, draft)
+
+  def target_layers(self, draft) -> tuple[int, ...]:
+    return () if self.fallback is None else self.fallback.target_layers(draft)
 
   def init(self, ctx, room: int):
+    if self.fallback is not None:
+      return self.fallback.init(ctx, room)
     return jnp.zeros((ctx.batch_size,), jnp.int32)  # stateless; a placeholder carry
 
   def propose(self, ctx, state, committed: Committed, keys, num: int):
-    tokens, length, _ = lookup(ctx.encoder_tokens, committed.tokens, committed.length,
+    tokens, length, ngram = lookup(ctx.encoder_tokens, committed.tokens, committed.length,
                                num=num, max_ngram=self.max_ngram, min_ngram=self.min_ngram,
                                search_output=self.search_output)
-    return Proposal.chain(tokens, None, length), state
+    if self.tokens_per_ngram is not None:
+      caps = self.tokens_per_ngram
+      cap = jnp.asarray([0] + [caps[min(n, len(caps)) - 1]
+                               for n in range(1, self.max_ngram + 1)], jnp.int32)[ngram]
+      length = jnp.minimum(length, cap)
+    if self.fallback is None:
+      return Proposal.chain(tokens, None, length), state
+    found = length > 0  # these rows take the lookup, the others the draft model's chain
+    other, state = self.fallback.propose(ctx, state, committed, keys, num,
+                                         forced=(tokens, found))
+    return Proposal.chain(other.tokens, other.q, jnp.where(found, length, num)), state
+
+  def commit(self, ctx, state, committed: Committed, verdict, proposal: Proposal):
+    if self.fallback is None:
+      return state
+    return self.fallback.commit(ctx, state, committed, verdict, proposal)
+
+  def expected_tokens(self, *, alpha: float, gamma: int, counters=None) -> float | None:
+    """Thm 3.8 at the mean proposed length (`draft_tokens / target_calls` of the run's
+    counters; gamma without them): a lookup proposes fewer than gamma tokens, often none."""
+    if not counters or float(counters.get("target_calls", 0)) <= 0:
+      return super().expected_tokens(alpha=alpha, gamma=gamma, counters=counters)
+    mean = float(counters["draft_tokens"]) / float(counters["target_calls"])
+    if alpha >= 1.0:
+      return 1.0 + mean
+    return float((1.0 - alpha ** (mean + 1.0)) / (1.0 - alpha))

@@ -59,27 +59,42 @@ class ModelDrafter(Drafter):
     loop.steps = steps
     return loop
 
-  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int):
+  def propose(self, ctx, cache, committed: Committed, keys_BK, num: int, forced=None):
+    """The draft model's chain of `num` tokens. forced: None, or (tokens [B, num] int32,
+    use [B] bool): rows with `use` take these tokens instead of drawing (their q a point
+    mass at each), and the draft is fed them, so its cache holds what such a row commits
+    (a drafter that proposes something else for some rows: `LookupDrafter.fallback`)."""
     draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
     logits, cache = self.first_logits(ctx, cache, committed)
     greedy = sampling.greedy  # then each token is the argmax: a point mass, no q to carry
+    if forced is None:
+      forced_KB, use_B = jnp.zeros((num, logits.shape[0]), jnp.int32), None
+    else:
+      forced_KB, use_B = jnp.swapaxes(forced[0], 0, 1).astype(jnp.int32), forced[1]
 
-    def choose(key_B, logits_BV):
+    def choose(key_B, logits_BV, forced_B):
       if greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        x = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return (x if use_B is None else jnp.where(use_B, forced_B, x)), None
       q = sampling.probs(logits_BV)
-      return draw(key_B, q, greedy=False), q
+      x = draw(key_B, q, greedy=False)
+      if use_B is None:
+        return x, q
+      x = jnp.where(use_B, forced_B, x)
+      return x, jnp.where(use_B[:, None], jax.nn.one_hot(x, q.shape[-1], dtype=q.dtype), q)
 
-    x1, q1 = choose(keys_BK[:, 0], logits)
+    x1, q1 = choose(keys_BK[:, 0], logits, forced_KB[0])
 
-    def step(carry, key_B):
+    def step(carry, inputs):
       cache, x = carry
+      key_B, forced_B = inputs
       out = draft.decode(params, cache, x[:, None])
-      x, q = choose(key_B, out.logits[:, 0])
+      x, q = choose(key_B, out.logits[:, 0], forced_B)
       return (out.cache, x), (x, q)
 
     cache = ctx.constrain_cache(cache, "draft")
-    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), jnp.swapaxes(keys_BK[:, 1:], 0, 1))
+    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1),
+                                        (jnp.swapaxes(keys_BK[:, 1:], 0, 1), forced_KB[1:]))
     x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
     q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     return Proposal.chain(x, q), ctx.constrain_cache(cache, "draft")

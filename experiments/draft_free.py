@@ -1,0 +1,226 @@
+r"""Speculation without a draft model, on the big demo targets: source lookup and
+self-speculation from the target's own first decoder layers, next to the bigram table and
+the small draft model.
+
+  python -m experiments.draft_free                                  # EnDe and CNN/DM, t=0, 1
+  python -m experiments.draft_free --tasks cnndm --temperatures 0 --num_examples 10
+  python -m experiments.draft_free --scale tiny --num_examples 2 --repeats 1   # smoke run
+
+For each task (the big demo target, demo_models/<task>_target_big, 45.6M parameters; the
+task's first --num_examples test inputs, batch 1) and temperature, on the same keys:
+
+  autoregressive                  the baseline;
+  lookup                          `LookupDrafter` (n-grams 3..1, the source then the output
+                                  so far; nothing proposed where nothing matches);
+  lookup, <= 2 after a 1-gram     the same, proposing at most 2 tokens after a single-token
+                                  match (`tokens_per_ngram=(2, gamma)`);
+  layer skip k                    `LayerSkipDrafter(layers=k)` for k in --layers: the target's
+                                  own first k decoder layers, final norm and LM head;
+  lookup, else layer skip k       the lookup where it matches, the first --layers depth
+                                  elsewhere (`LookupDrafter(fallback=...)`);
+  bigram table                    the paper's Table 3 bigram draft, fit on the task's train
+                                  targets (--bigram_examples);
+  small draft                     the demo small draft model (0.44M; demo_models/<task>_small).
+
+all at gamma --gamma with token-level verification. Reported per decoder: tokens per target
+call, drafted tokens per call, alpha (the mean beta over decided positions), c (one
+proposal's marginal cost in its decoding loop / (gamma T_p), measured in interleaved rounds
+with the target step: `experiment.measure.step_costs`), and the measured speedup: the median
+over --repeats rounds (decoders interleaved within a round, all after compilation) of the
+baseline's seconds over the decoder's; at t=0 the fraction of rows identical to the
+baseline. The EAGLE heads shipped for the demo tasks read the 3.7M targets' features (width
+192), not the big targets': they do not run here. The tiny scale runs random T5 models on
+the offline toy task: seconds, for CI; the numbers mean nothing.
+Writes <results_dir>/<name>.{md,csv,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from experiments import harness, setups
+from experiments.harness import Column, fmt
+
+# The tiny scale's task: (name, input length, decode length, split of the inputs).
+TINY_TASK = ("toy_reverse", 64, 32, "validation")
+
+
+def _models(args, task: str):
+  """(target, params, {draft name: (model, params)}, inputs [N, S], decode_len)."""
+  from spec_decode import data
+  from spec_decode.models import ngram
+  if args.scale == "tiny":
+    name, input_len, decode_len, split = TINY_TASK
+    target_spec = harness.model_spec("t5_1_1_mini", vocab_size=259, seed=0)
+    small_spec = harness.model_spec("t5_1_1_tiny", vocab_size=259, seed=1,
+                                    config='{"num_decoder_layers": 1}', role="draft")
+  else:
+    (name, input_len, decode_len), split = setups.DEMO_TASKS[task], "test"
+    demo = args.demo_models or harness.DEMO_DIR
+    target_spec = harness.model_spec(os.path.join(demo, f"{task}_target_big"))
+    small_spec = harness.model_spec(os.path.join(demo, f"{task}_small"), role="draft")
+  models = harness.load_models(target_spec, {"small": small_spec})
+  target, tparams = models.target, models.target_params
+  train = data.load_examples(data.get_task(name), split="train",
+                             num_examples=args.bigram_examples,
+                             feature_lengths={"inputs": input_len, "targets": decode_len})
+  bigram = ngram.NGramDecoder(vocab_size=target.vocab_size, order=2)
+  drafts = {"small": models.draft("small"),
+            "bigram": (bigram, ngram.fit([ex.target_tokens for ex in train], order=2,
+                                         vocab_size=target.vocab_size))}
+  inputs = harness.task_inputs(name, split=split, num_examples=args.num_examples,
+                               input_length=input_len, decode_len=decode_len)
+  return target, tparams, drafts, inputs, decode_len
+
+
+def decoders(args) -> dict[str, tuple[Any, str | None]]:
+  """{label: (Speculative, the draft it needs or None)} of the comparison (module doc)."""
+  from spec_decode import decoding
+  from spec_decode.decoding.drafters.layer_skip import LayerSkipDrafter
+  from spec_decode.decoding.drafters.lookup import LookupDrafter
+  g = args.gamma
+  spec = lambda drafter: decoding.Speculative(gamma=g, drafter=drafter)
+  out = {"lookup": (spec(LookupDrafter()), None),
+         "lookup, <= 2 after a 1-gram": (spec(LookupDrafter(tokens_per_ngram=(2, g))), None)}
+  for k in args.layers:
+    out[f"layer skip {k}"] = (spec(LayerSkipDrafter(layers=k)), None)
+  k = args.layers[0]
+  out[f"lookup, else layer skip {k}"] = (
+      spec(LookupDrafter(fallback=LayerSkipDrafter(layers=k))), None)
+  out["bigram table"] = (decoding.Speculative(gamma=g), "bigram")
+  out["small draft"] = (decoding.Speculative(gamma=g), "small")
+  return out
+
+
+def run_task(args, task: str) -> list[dict[str, Any]]:
+  from spec_decode import decoding
+  from spec_decode.decoding import timing
+  from spec_decode.experiment import measure
+  target, tparams, drafts, inputs, decode_len = _models(args, task)
+  for k in args.layers:
+    if k >= target.config.num_decoder_layers:
+      raise ValueError(f"--layers {k}: the {task} target has "
+                       f"{target.config.num_decoder_layers} decoder layers")
+  batches = [(inputs[i:i + 1], np.asarray([i], np.int32)) for i in range(len(inputs))]
+  specs = decoders(args)
+  rows = []
+  for temperature in args.temperatures:
+    sampling = decoding.Sampling(temperature=temperature)
+    common = dict(max_decode_len=decode_len, sampling=sampling,
+                  rng=jax.random.PRNGKey(args.seed))
+    fns = {"autoregressive": harness.decode_fn(decoding.Autoregressive(), target, tparams,
+                                               **common)}
+    for label, (algo, draft) in specs.items():
+      d = drafts[draft] if draft else (None, None)
+      fns[label] = harness.decode_fn(algo, target, tparams, *d, **common)
+    print(f"[{task} T={temperature:g}] compiling {len(fns)} decoders", flush=True)
+    times = harness.time_decodes(
+        fns, batches, repeats=args.repeats, target=target,
+        on_round=lambda r: print(f"[{task} T={temperature:g}] round {r + 1}/{args.repeats}",
+                                 flush=True))
+    workload = timing.Workload(target=target, target_params=tparams,
+                               encoder_tokens=inputs[:1], cache_length=decode_len + args.gamma + 1,
+                               position=decode_len // 2, sampling=sampling)
+    costs = measure.step_costs(
+        workload, {label: algo for label, (algo, _) in specs.items()},
+        drafts={label: drafts[d] for label, (_, d) in specs.items() if d},
+        repeats=args.cost_repeats)
+    base = times["autoregressive"]
+    for label, (algo, draft) in specs.items():
+      st = harness.decode_stats(times[label].outputs, len(inputs), baseline=base.outputs)
+      speedups = [a / b for a, b in zip(base.seconds, times[label].seconds)]
+      rows.append({
+          "task": task if args.scale == "demo" else TINY_TASK[0],
+          "temperature": temperature, "decoder": label,
+          "draft_model": {None: "none", "bigram": "bigram table",
+                          "small": "small T5 (0.44M)"}[draft] if args.scale == "demo"
+          else draft or "none",
+          "tokens_per_call": st["tokens_per_target_call"],
+          "drafted_per_call": st["drafted_per_target_call"], "alpha": st["alpha"],
+          "c": costs["c"][label],
+          "verify_ratio": costs["verify_ratio"][algo.max_proposal + 1],
+          "speedup": float(statistics.median(speedups)),
+          "speedup_spread": harness.spread(speedups),
+          "seconds": float(statistics.median(times[label].seconds)),
+          "autoregressive_seconds": float(statistics.median(base.seconds)),
+          "identical_fraction": st["identical"] if temperature == 0 else None,
+          "examples": len(inputs)})
+    jax.clear_caches()
+  return rows
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.draft_free", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--scale", default="demo", choices=("tiny", "demo"))
+  p.add_argument("--tasks", default="ende,cnndm")
+  p.add_argument("--temperatures", default="0,1")
+  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--layers", default=None, help="layer skip depths, the first also the "
+                 "lookup's fallback (default: demo 2,4 of 8 decoder layers; tiny 1,2 of 3)")
+  p.add_argument("--num_examples", type=int, default=20)
+  p.add_argument("--bigram_examples", type=int, default=2000,
+                 help="train targets the bigram table is fit on")
+  p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+  p.add_argument("--cost_repeats", type=int, default=10, help="rounds of the step costs")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--demo_models", default=None)
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
+  p.add_argument("--name", default=None, help="the result files' stem (default draft_free, "
+                 "draft_free_tiny at the tiny scale)")
+  args = p.parse_args(list(argv))
+  args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+  bad = [t for t in args.tasks if t not in setups.TASKS]
+  if bad or not args.tasks:
+    p.error(f"unknown tasks {bad}; known: {setups.TASKS}")
+  if args.scale == "tiny":
+    args.tasks = args.tasks[:1]  # both map to the toy task
+  try:
+    args.temperatures = harness.parse_floats(args.temperatures, "temperatures")
+    args.layers = harness.parse_ints(args.layers or ("2,4" if args.scale == "demo" else "1,2"),
+                                     "layers")
+  except ValueError as e:
+    p.error(str(e))
+  if any(t < 0 for t in args.temperatures):
+    p.error("--temperatures must be >= 0")
+  for name in ("gamma", "num_examples", "bigram_examples", "repeats", "cost_repeats"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1")
+  args.name = args.name or ("draft_free" if args.scale == "demo" else "draft_free_tiny")
+  return args
+
+
+def run(args, meta) -> harness.Output:
+  rows = []
+  for task in args.tasks:
+    rows += run_task(args, task)
+  f2, f3 = (lambda v: fmt(v, 2)), (lambda v: fmt(v, 3))
+  cols = [Column("task", "task"), Column("temperature", "T", lambda v: fmt(v, 0)),
+          Column("decoder", "decoder"), Column("draft_model", "draft model"),
+          Column("tokens_per_call", "tokens/call", f2),
+          Column("drafted_per_call", "drafted/call", f2), Column("alpha", "alpha", f3),
+          Column("c", "c", f3), Column("speedup", "measured speedup", lambda v: fmt(v, 2, "X")),
+          Column("identical_fraction", "identical (t=0)", f2)]
+  notes = [f"Big demo targets (45.6M, T5.1.1-small-shaped), batch 1, gamma {args.gamma}, "
+           f"{args.num_examples} test examples per task; speedup: median over {args.repeats} "
+           "interleaved rounds of autoregressive / decoder seconds (compilation excluded, "
+           "encoding included).",
+           "c: one proposal's marginal cost in its loop / (gamma x the target's step); the "
+           "lookup's is its search, the layer skip's the truncated target's steps."]
+  if args.scale == "tiny":
+    notes = ["Tiny scale: random T5 models on the offline toy task; the numbers mean nothing."]
+  return harness.Output(args.name, "Speculation without a draft model", cols, rows, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.draft_free", argv, parse_args, run)
+
+
+if __name__ == "__main__":
+  main()

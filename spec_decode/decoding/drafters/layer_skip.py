@@ -1,0 +1,86 @@
+"""Self-speculation: the target's own first k decoder layers and its LM head draft (layer
+skipping, as in Draft & Verify); no draft model.
+
+The draft is the target truncated after decoder layer k - 1: the same embedding, encoder
+output, first k decoder blocks, final norm and LM head, reading the target's own parameters
+(no copy). It runs as the draft model of `ModelDrafter` does (a 2-token catch-up call, then
+one token per call), with its own cache of k layers (the cross-attention K/V of those
+layers are computed once per decode call from the target's encoder output, which the loop
+computes once for both). The target then verifies as for any chain draft, so every verifier
+that is exact for a sampled chain keeps the target's distribution exactly.
+
+Cost: a draft step reads k of the target's L decoder layers plus its LM head, so
+c ~ (k x layer + head) / (L x layer + head); the target's weights are shared, no memory is
+added beyond the draft's cache. Acceptance: what the first k layers of a model trained
+only at its last layer predict through the final norm and LM head (measured by
+experiments/draft_free.py; a model trained with early-exit losses (LayerSkip) or an exit
+adapter (Kangaroo) would do better; neither is built here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spec_decode.decoding import registry, timing
+from spec_decode.decoding.drafters.model import ModelDrafter
+from spec_decode.decoding.runner import is_int
+from spec_decode.models import t5
+
+
+def truncated(target, layers: int) -> t5.T5:
+  """`target` cut after its first `layers` decoder layers (a T5 of the same settings)."""
+  return t5.T5(target.config.replace(num_decoder_layers=layers),
+               stream_params=target.stream_params, kernel_weights=target.kernel_weights)
+
+
+def truncated_params(params, layers: int):
+  """The target's `params` (plain or laid out for decoding) without decoder layers
+  `layers` .. : the same leaves, no copy."""
+  keep = lambda name: not (name.startswith("layers_") and int(name[len("layers_"):]) >= layers)
+  return {**params, "decoder": {n: v for n, v in params["decoder"].items() if keep(n)}}
+
+
+@registry.drafter("layer_skip")
+@dataclasses.dataclass(frozen=True)
+class LayerSkipDrafter(ModelDrafter):
+  """Proposes a chain from the target's first `layers` decoder layers (module doc)."""
+  layers: int = 2
+
+  needs_draft_model = False
+
+  def __post_init__(self):
+    if not is_int(self.layers) or self.layers < 1:
+      raise ValueError(f"LayerSkipDrafter.layers must be an int >= 1, got {self.layers!r}")
+
+  def check_models(self, target, draft) -> None:
+    if not isinstance(target, t5.T5):
+      raise ValueError(f"LayerSkipDrafter drafts with a T5 target's own layers, got a "
+                       f"{type(target).__name__} target")
+    n = target.config.num_decoder_layers
+    if self.layers >= n:
+      raise ValueError(f"LayerSkipDrafter.layers = {self.layers} must be below the target's "
+                       f"{n} decoder layers (the draft is the target's first layers)")
+
+  def _draft_ctx(self, ctx):
+    """`ctx` with the truncated target as its draft model (laid out like the target)."""
+    return dataclasses.replace(
+        ctx, draft=truncated(ctx.target, self.layers),
+        draft_params=truncated_params(ctx.target_params, self.layers),
+        draft_encoder_tokens=ctx.encoder_tokens, draft_rules=ctx.rules,
+        draft_packed_index=ctx.packed_index)
+
+  def init(self, ctx, room: int):
+    ctx = self._draft_ctx(ctx)
+    return ctx.constrain_cache(ctx.draft.init_cache(ctx.draft_params, ctx.encode("target"),
+                                                    room), "draft")
+
+  def propose(self, ctx, cache, committed, keys_BK, num: int, forced=None):
+    return super().propose(self._draft_ctx(ctx), cache, committed, keys_BK, num, forced=forced)
+
+  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int):
+    """gamma single-token steps of the truncated target per proposal (see ModelDrafter)."""
+    shallow = dataclasses.replace(
+        workload, draft=truncated(workload.target, self.layers),
+        draft_params=truncated_params(workload.target_params, self.layers),
+        draft_rules=workload.rules)
+    return super().proposal_loop(shallow, gamma=gamma, steps=steps)

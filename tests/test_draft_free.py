@@ -1,0 +1,312 @@
+"""Oracles of the draft-free drafters: source lookup (drafters/lookup.py) and self-speculation
+from the target's first decoder layers (drafters/layer_skip.py), and of the verify call
+trimmed to the longest proposal (`Speculative.trim_verify`).
+
+* `lookup`: the longest n-gram wins, its first occurrence, continuations cut at the end of
+  the source's real tokens or of the output so far, no match -> nothing, per row.
+* Greedy identity with autoregressive decoding: lookup (alone, with the draft model or the
+  target's first layer as its fallback, capped per n-gram size) and layer skipping, with
+  the chain and block verifiers, trimmed verify calls or not.
+* Exactness: sequence-level chi-square against the target's enumerated law at t=1 and with
+  top-k / top-p, each case checking the drafter really proposed and was accepted. Negative
+  control: a lookup whose rows keep the draft model's q for the tokens it substituted (the
+  mixing bug `ModelDrafter.propose(forced=...)` avoids) is rejected by the same test.
+* No draft model: the runner and the experiment config ask for none, and refuse one;
+  settings and model checks fail with clear errors.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import exactness as ex
+from tiers import tiered
+from spec_decode import decoding
+from spec_decode.decoding.algorithms.speculative import verify_sizes
+from spec_decode.decoding.drafters import layer_skip
+from spec_decode.decoding.drafters.lookup import LookupDrafter, lookup
+from spec_decode.decoding.types import Proposal
+from spec_decode.models import t5
+from spec_decode.models.testing import MarkovDecoder
+
+S = decoding.Sampling
+CHAIN, BLOCK = decoding.ChainVerifier(), decoding.BlockVerifier()
+Skip = layer_skip.LayerSkipDrafter
+
+
+def _lookup(source, output, m, num=4, **kw):
+  tokens, length, ngram = lookup(jnp.asarray([source], jnp.int32),
+                                 jnp.asarray([output], jnp.int32), jnp.asarray([m]), num=num,
+                                 max_ngram=kw.pop("max_ngram", 3), **kw)
+  return (np.asarray(tokens)[0, :int(length[0])].tolist(), int(ngram[0]))
+
+
+# --------------------------------------------------------------------- lookup itself
+def test_lookup_proposes_what_followed_the_output_in_the_source():
+  src = [5, 6, 7, 8, 9, 1, 0, 0]  # EOS, then padding
+  assert _lookup(src, [6, 7, 0, 0], 2) == ([8, 9, 1], 2)  # to the end of the real tokens
+  assert _lookup(src, [6, 7, 0, 0], 2, num=2) == ([8, 9], 2)
+  assert _lookup(src, [3, 4, 0, 0], 2) == ([], 0)  # no match: nothing
+  assert _lookup(src, [1, 0, 0, 0], 1) == ([], 0)  # matched at the last real token
+  assert _lookup(src, [0, 0, 0, 0], 0) == ([], 0)  # nothing committed yet
+  # padding is never matched, even by an output token 0
+  assert _lookup([5, 6, 0, 0, 0], [2, 0, 0, 0], 2, search_output=False) == ([], 0)
+
+
+def test_longest_ngram_wins_then_its_first_occurrence():
+  src = [3, 4, 9, 5, 4, 8, 5, 4, 7, 2]
+  assert _lookup(src, [5, 4], 2) == ([8, 5, 4, 7], 2)  # "5 4" first at 3, not "4" at 1
+  assert _lookup(src, [2, 4], 2) == ([9, 5, 4, 8], 1)  # only "4" matches: its first place
+  assert _lookup(src, [9, 5, 4], 3) == ([8, 5, 4, 7], 3)
+  assert _lookup(src, [9, 5, 4], 3, max_ngram=1) == ([9, 5, 4, 8], 1)
+  assert _lookup(src, [2, 4], 2, min_ngram=2) == ([], 0)
+
+
+def test_lookup_searches_the_output_so_far():
+  src = [2, 3, 1]
+  out = [7, 8, 9, 7, 8, 0, 0]
+  assert _lookup(src, out, 5) == ([9, 7, 8], 2)  # up to the output's end, not past it
+  assert _lookup(src, out, 5, search_output=False) == ([], 0)
+  assert _lookup(src, out, 4) == ([8, 9, 7], 1)  # "7" at 0; the suffix itself never matches
+
+
+def test_lookup_rows_are_independent():
+  src = np.array([[5, 6, 7, 8, 1], [2, 2, 3, 1, 0]], np.int32)
+  out = np.array([[6, 0, 0], [2, 2, 0]], np.int32)
+  tokens, length, ngram = lookup(jnp.asarray(src), jnp.asarray(out), jnp.asarray([1, 2]),
+                                 num=3, max_ngram=2)
+  assert np.asarray(length).tolist() == [3, 2] and np.asarray(ngram).tolist() == [1, 2]
+  assert np.asarray(tokens)[0].tolist() == [7, 8, 1]
+  assert np.asarray(tokens)[1, :2].tolist() == [3, 1]
+
+
+def test_tokens_per_ngram_caps_the_proposal():
+  src = jnp.asarray([[3, 4, 9, 5, 4, 8, 5, 4, 7, 2]], jnp.int32)
+  drafter = LookupDrafter(tokens_per_ngram=(1, 3))
+  ctx = _ctx(src)
+
+  def proposed(output, m):
+    committed = decoding.Committed(tokens=jnp.asarray([output], jnp.int32),
+                                   length=jnp.asarray([m]), it=jnp.int32(1))
+    prop, _ = drafter.propose(ctx, drafter.init(ctx, 8), committed, None, 4)
+    return np.asarray(prop.tokens)[0, :int(prop.length[0])].tolist()
+
+  assert proposed([2, 4, 0], 2) == [9]  # a single-token match: at most 1
+  assert proposed([5, 4, 0], 2) == [8, 5, 4]  # two or more tokens: at most 3
+
+
+def _ctx(encoder_tokens):
+  B = encoder_tokens.shape[0]
+  return decoding.runner.LoopContext(
+      target=None, target_params=None, draft=None, draft_params=None,
+      encoder_tokens=encoder_tokens, draft_encoder_tokens=None, rng=jax.random.PRNGKey(0),
+      row_ids=jnp.arange(B), max_decode_len=8, sampling=S())
+
+
+def test_verify_sizes():
+  assert verify_sizes(1) == (1, 2)
+  assert verify_sizes(4) == (1, 2, 3, 5)
+  assert verify_sizes(6) == (1, 2, 3, 5, 7)
+  assert verify_sizes(8) == (1, 2, 3, 5, 9)
+
+
+# ------------------------------------------------------------------- greedy identity
+G_L, G_N = 12, 16
+
+
+@functools.lru_cache(maxsize=None)
+def _greedy_setup():
+  """A tiny T5 target (2 decoder layers), a far draft, inputs whose tokens repeat (so the
+  lookup matches), and the target's greedy outputs."""
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+  tp = target.init(jax.random.PRNGKey(30))
+  far = t5.T5(t5.T5Config.preset("t5_tiny", num_encoder_layers=1, num_decoder_layers=1))
+  rs = np.random.RandomState(31)
+  enc = rs.randint(2, 64, (G_N, 10)).astype(np.int32)
+  for row, n in enumerate(rs.randint(1, 11, G_N)):
+    enc[row, n:] = 0
+  ar = decoding.autoregressive(target, tp, enc, max_decode_len=G_L)
+  return target, tp, (far, far.init(jax.random.PRNGKey(32))), enc, ar
+
+
+GREEDY = {
+    "lookup_chain": (LookupDrafter(), CHAIN, False, True),
+    "lookup_block_untrimmed": (LookupDrafter(), BLOCK, False, False),
+    "lookup_capped_chain": (LookupDrafter(tokens_per_ngram=(1, 4), max_ngram=2), CHAIN,
+                            False, True),
+    "lookup_fallback_model_block": (LookupDrafter(fallback=decoding.ModelDrafter()), BLOCK,
+                                    True, True),
+    "lookup_fallback_skip_chain": (LookupDrafter(fallback=Skip(layers=1)), CHAIN, False, True),
+    "skip_chain": (Skip(layers=1), CHAIN, False, True),
+    "skip_block": (Skip(layers=1), BLOCK, False, True),
+}
+
+
+@pytest.mark.parametrize("name", tiered(list(GREEDY), fast=("lookup_chain", "skip_chain",
+                                                            "lookup_fallback_model_block")))
+def test_greedy_equals_autoregressive(name):
+  drafter, verifier, with_draft, trim = GREEDY[name]
+  target, tp, (dm, dp), enc, ar = _greedy_setup()
+  algo = decoding.Speculative(gamma=4, drafter=drafter, verifier=verifier, trim_verify=trim)
+  assert algo.needs_draft == with_draft
+  drafts = dict(draft=dm, draft_params=dp) if with_draft else {}
+  got = decoding.run(algo, target, tp, enc, max_decode_len=G_L, **drafts)
+  np.testing.assert_array_equal(got.tokens, ar.tokens)
+  np.testing.assert_array_equal(got.lengths, ar.lengths)
+  st = got.stats
+  assert int(np.sum(st.accepted)) > 0  # the drafter did propose, and was right sometimes
+  assert int(np.sum(st.target_calls)) < int(np.sum(ar.stats.target_calls))
+  assert len({tuple(r) for r in np.asarray(ar.tokens)}) > G_N // 2
+
+
+# ------------------------------------------------------------------------ exactness
+def _sample(algorithm, fam: str, sampling, *, rows: int, n_inputs: int, seed: int,
+            draft: str | None = None):
+  models, enc_all, L = ex.family(fam)
+  target, tp = models["target"]
+  drafts = {} if draft is None else dict(zip(("draft", "draft_params"), models[draft]))
+  enc = np.repeat(enc_all[:n_inputs], rows // n_inputs, axis=0)
+  result = decoding.run(algorithm, target, tp, enc, max_decode_len=L, sampling=sampling,
+                        rng=jax.random.PRNGKey(seed), row_ids=np.arange(enc.shape[0]),
+                        **drafts)
+  seqs = ex.testing.sequences(result)
+  per = len(seqs) // n_inputs
+  return result, [seqs[g * per:(g + 1) * per] for g in range(n_inputs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepsDraftQ(LookupDrafter):
+  """WRONG on purpose (negative control): a lookup with the draft model as fallback that
+  substitutes its tokens in the rows that matched but leaves the draft model's q there (the
+  verifier then takes the lookup's tokens as draws from q) and does not feed them to the
+  draft model."""
+
+  def propose(self, ctx, state, committed, keys, num):
+    tokens, length, _ = lookup(ctx.encoder_tokens, committed.tokens, committed.length,
+                               num=num, max_ngram=self.max_ngram, min_ngram=self.min_ngram,
+                               search_output=self.search_output)
+    other, state = self.fallback.propose(ctx, state, committed, keys, num)
+    found = length > 0
+    return Proposal.chain(jnp.where(found[:, None], tokens, other.tokens), other.q,
+                          jnp.where(found, length, num)), state
+
+
+# name: (family, sampling, gamma, drafter, verifier, draft, inputs, rows, seed)
+CASES = {
+    "lookup_chain_mk_t1_g3": ("mk", S(1.0), 3, LookupDrafter(), CHAIN, None, 3, ex.rows(6 / 5),
+                              500),
+    "lookup_block_mk_topk3_g4": ("mk", S(1.0, top_k=3), 4, LookupDrafter(max_ngram=2), BLOCK,
+                                 None, 3, ex.rows(6 / 5), 501),
+    "lookup_capped_chain_mk_t0.8_topp0.9_g3": (
+        "mk", S(0.8, top_p=0.9), 3, LookupDrafter(tokens_per_ngram=(1, 3)), CHAIN, None, 1,
+        ex.rows(), 502),
+    "lookup_fallback_chain_mk_far_t1_g3": ("mk", S(1.0), 3,
+                                           LookupDrafter(fallback=decoding.ModelDrafter()),
+                                           CHAIN, "far", 1, ex.rows(), 503),
+    "skip_chain_t5_t1_g3": ("t5", S(1.0), 3, Skip(layers=1), CHAIN, None, 1, ex.rows(2 / 3),
+                            504),
+    "skip_block_t5_topp0.9_g2": ("t5", S(1.0, top_p=0.9), 2, Skip(layers=1), BLOCK, None, 2,
+                                 ex.rows(2 / 3), 505),
+    "keeps_draft_q_chain_mk_far_t1_g3": ("mk", S(1.0), 3,
+                                         KeepsDraftQ(fallback=decoding.ModelDrafter()), CHAIN,
+                                         "far", 1, ex.rows(), 503),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name):
+  fam, sampling, gamma, drafter, verifier, draft, n_inputs, rows, seed = CASES[name]
+  algo = decoding.Speculative(gamma=gamma, drafter=drafter, verifier=verifier)
+  result, groups = _sample(algo, fam, sampling, rows=rows, n_inputs=n_inputs, seed=seed,
+                           draft=draft)
+  return result, groups, ex.target_laws(fam, n_inputs, sampling)
+
+
+@pytest.mark.parametrize("name", tiered([n for n in CASES if not n.startswith("keeps")],
+                                        fast=("lookup_chain_mk_t1_g3", "skip_chain_t5_t1_g3")))
+def test_draft_free_drafters_are_exact(name):
+  result, groups, laws = _run(name)
+  st = result.stats
+  drafted = float(np.sum(st.draft_tokens) / np.sum(st.target_calls))
+  fit = ex.fit(f"{name} (drafted per call {drafted:.2f})", groups, laws)
+  assert fit.impossible == 0
+  assert fit.p_value >= ex.P_REJECT, fit
+  assert drafted > 0.2 and int(np.sum(st.accepted)) > 0  # it did propose, and was accepted
+
+
+@pytest.mark.slow
+def test_negative_control_a_lookup_keeping_the_draft_q_is_rejected():
+  result, groups, laws = _run("keeps_draft_q_chain_mk_far_t1_g3")
+  fit = ex.fit("lookup keeping the draft's q (negative control)", groups, laws)
+  assert fit.p_value < ex.P_REJECT, fit
+
+
+# ------------------------------------------------------------- no draft model, errors
+def test_the_draft_free_drafters_take_no_draft_model():
+  target, tp, (dm, dp), enc, _ = _greedy_setup()
+  for drafter in (LookupDrafter(), Skip(layers=1), LookupDrafter(fallback=Skip(layers=1))):
+    algo = decoding.Speculative(gamma=2, drafter=drafter)
+    assert not algo.needs_draft
+    with pytest.raises(ValueError, match="uses no draft model"):
+      decoding.run(algo, target, tp, enc, draft=dm, draft_params=dp, max_decode_len=4)
+  with pytest.raises(ValueError, match="needs a draft model"):
+    decoding.run(decoding.Speculative(gamma=2, drafter=LookupDrafter(
+        fallback=decoding.ModelDrafter())), target, tp, enc, max_decode_len=4)
+
+
+def test_layer_skip_needs_a_deeper_t5_target():
+  target, tp, _, enc, _ = _greedy_setup()
+  with pytest.raises(ValueError, match="below the target's 2 decoder layers"):
+    decoding.run(decoding.Speculative(gamma=2, drafter=Skip(layers=2)), target, tp, enc,
+                 max_decode_len=4)
+  markov = MarkovDecoder(6, order=1)
+  with pytest.raises(ValueError, match="T5 target"):
+    decoding.run(decoding.Speculative(gamma=2, drafter=Skip(layers=1)), markov,
+                 markov.init(jax.random.PRNGKey(0)), ex.MK_ENC, max_decode_len=4)
+
+
+def test_layer_skip_reads_the_targets_own_weights():
+  target, tp, _, _, _ = _greedy_setup()
+  shallow = layer_skip.truncated(target, 1)
+  sub = layer_skip.truncated_params(tp, 1)
+  assert shallow.config.num_decoder_layers == 1
+  assert sorted(sub["decoder"]) == sorted(n for n in tp["decoder"] if n != "layers_1")
+  assert sub["decoder"]["layers_0"] is tp["decoder"]["layers_0"]
+  assert sub["encoder"] is tp["encoder"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_ngram=0), "max_ngram"), (dict(min_ngram=3, max_ngram=2), "min_ngram 3"),
+    (dict(search_output=1), "search_output"), (dict(tokens_per_ngram=()), "tokens_per_ngram"),
+    (dict(tokens_per_ngram=(2, -1)), "tokens_per_ngram"),
+    (dict(fallback=decoding.AdaptiveDrafter()), "fallback"),
+    (dict(fallback=decoding.ModelDrafter), "fallback")])
+def test_bad_lookup_settings(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    LookupDrafter(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_layer_skip_settings(bad):
+  with pytest.raises(ValueError, match="layers"):
+    Skip(layers=bad)
+
+
+def test_bad_trim_verify():
+  with pytest.raises(ValueError, match="trim_verify"):
+    decoding.Speculative(gamma=2, drafter=LookupDrafter(), trim_verify=1)
+
+
+def test_lookup_predicts_from_its_mean_proposed_length():
+  d = LookupDrafter()
+  full = d.expected_tokens(alpha=0.5, gamma=4)
+  assert full == pytest.approx((1 - 0.5 ** 5) / 0.5)
+  half = d.expected_tokens(alpha=0.5, gamma=4,
+                           counters={"draft_tokens": 20, "target_calls": 10})
+  assert half == pytest.approx((1 - 0.5 ** 3) / 0.5)
+  assert d.expected_tokens(alpha=1.0, gamma=4, counters={"draft_tokens": 5,
+                                                         "target_calls": 10}) == 1.5
