@@ -25,12 +25,17 @@ task's first --num_examples test inputs, batch 1) and temperature, on the same k
 all at gamma --gamma with token-level verification. Reported per decoder: tokens per target
 call, drafted tokens per call, alpha (the mean beta over decided positions), c (one
 proposal's marginal cost in its decoding loop / (gamma T_p), measured in interleaved rounds
-with the target step: `experiment.measure.step_costs`), and the measured speedup: the median
-over --repeats rounds (decoders interleaved within a round, all after compilation) of the
-baseline's seconds over the decoder's; at t=0 the fraction of rows identical to the
-baseline. The EAGLE heads shipped for the demo tasks read the 3.7M targets' features (width
-192), not the big targets': they do not run here. The tiny scale runs random T5 models on
+with the target step: `experiment.measure.step_costs`), the cost model's speedup from those
+(E[tokens] / (gamma c + T_verify(gamma + 1) / T_p); the lookup's E at its mean proposed
+length), and the measured speedup: the median over --repeats rounds (decoders
+interleaved within a round, all after compilation) of the baseline's seconds over the
+decoder's, and the same ratio of each example's fastest call summed over the examples
+(`fastest calls`: what a round's drift or a stall cannot move); at t=0 the fraction of rows
+identical to the baseline. The EAGLE heads shipped for the demo tasks read the 3.7M
+targets' features (width 192), not the big targets': they do not run here. The tiny scale runs random T5 models on
 the offline toy task: seconds, for CI; the numbers mean nothing.
+The notes name the layer skip depth the cost model picks (`best_depths`) and what an oracle
+lookup could reach on the greedy outputs (`lookup_ceiling`).
 Writes <results_dir>/<name>.{md,csv,json}.
 """
 
@@ -79,6 +84,45 @@ def _models(args, task: str):
   return target, tparams, drafts, inputs, decode_len
 
 
+def lookup_ceiling(inputs: np.ndarray, outputs, *, gamma: int, max_ngram: int = 3,
+                   width: int = 8) -> float:
+  """Tokens per target call of an oracle source lookup on the greedy `outputs` (token lists,
+  EOS included) of `inputs` [N, S]: at each step, of the continuations (up to gamma tokens)
+  of the first `width` distinct places where the longest matching n-gram (n <= max_ngram) of
+  the output occurs in the source or the output so far, the one the target accepts
+  furthest. What a lookup tree of that width could reach at t=0; the chain lookup proposes
+  the first place only."""
+  from spec_decode.models.base import PAD_ID
+  calls = tokens = 0
+  for src_row, out in zip(np.asarray(inputs).tolist(), outputs):
+    src = [t for t in src_row if t != PAD_ID]
+    out = list(out)
+    m = 0
+    while m < len(out):
+      hay = src + out[:m]
+      ends = [len(src)] * len(src) + [len(hay)] * m  # a continuation stays in its segment
+      found = []
+      for n in range(min(max_ngram, m), 0, -1):
+        suffix = out[m - n:m]
+        for i in range(len(hay) - n):
+          if hay[i:i + n] == suffix and i + n < ends[i]:
+            cont = hay[i + n:min(i + n + gamma, ends[i])]
+            if cont not in found:
+              found.append(cont)
+        if found:
+          break
+      best = 0
+      for cont in found[:width]:
+        a = 0
+        while a < len(cont) and m + a < len(out) and cont[a] == out[m + a]:
+          a += 1
+        best = max(best, a)
+      m += best + 1
+      calls += 1
+    tokens += len(out)
+  return tokens / max(calls, 1)
+
+
 def decoders(args) -> dict[str, tuple[Any, str | None]]:
   """{label: (Speculative, the draft it needs or None)} of the comparison (module doc)."""
   from spec_decode import decoding
@@ -98,7 +142,7 @@ def decoders(args) -> dict[str, tuple[Any, str | None]]:
   return out
 
 
-def run_task(args, task: str) -> list[dict[str, Any]]:
+def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
   from spec_decode import decoding
   from spec_decode.decoding import timing
   from spec_decode.experiment import measure
@@ -109,6 +153,7 @@ def run_task(args, task: str) -> list[dict[str, Any]]:
                        f"{target.config.num_decoder_layers} decoder layers")
   batches = [(inputs[i:i + 1], np.asarray([i], np.int32)) for i in range(len(inputs))]
   specs = decoders(args)
+  name = task if args.scale == "demo" else TINY_TASK[0]  # the rows' task label
   rows = []
   for temperature in args.temperatures:
     sampling = decoding.Sampling(temperature=temperature)
@@ -132,11 +177,20 @@ def run_task(args, task: str) -> list[dict[str, Any]]:
         drafts={label: drafts[d] for label, (_, d) in specs.items() if d},
         repeats=args.cost_repeats)
     base = times["autoregressive"]
+    if temperature == 0:
+      greedy = [r["tokens"] for r in harness.rows_of(base.outputs, len(inputs))]
+      ceilings[name] = {w: lookup_ceiling(inputs, greedy, gamma=args.gamma, width=w)
+                        for w in (1, 8)}
     for label, (algo, draft) in specs.items():
       st = harness.decode_stats(times[label].outputs, len(inputs), baseline=base.outputs)
       speedups = [a / b for a, b in zip(base.seconds, times[label].seconds)]
+      verify_ratio = costs["verify_ratio"][algo.max_proposal + 1]
+      model = algo.cost_model(alpha=st["alpha"], draft_cost=costs["c"][label] * algo.gamma,
+                              verify_ratio=verify_ratio,
+                              counters={"draft_tokens": st["drafted_per_target_call"],
+                                        "target_calls": 1.0})
       rows.append({
-          "task": task if args.scale == "demo" else TINY_TASK[0],
+          "task": name,
           "temperature": temperature, "decoder": label,
           "draft_model": {None: "none", "bigram": "bigram table",
                           "small": "small T5 (0.44M)"}[draft] if args.scale == "demo"
@@ -144,8 +198,10 @@ def run_task(args, task: str) -> list[dict[str, Any]]:
           "tokens_per_call": st["tokens_per_target_call"],
           "drafted_per_call": st["drafted_per_target_call"], "alpha": st["alpha"],
           "c": costs["c"][label],
-          "verify_ratio": costs["verify_ratio"][algo.max_proposal + 1],
+          "verify_ratio": verify_ratio,
+          "predicted": model["cost_model"] if model else None,
           "speedup": float(statistics.median(speedups)),
+          "speedup_fastest": sum(base.call_seconds) / sum(times[label].call_seconds),
           "speedup_spread": harness.spread(speedups),
           "seconds": float(statistics.median(times[label].seconds)),
           "autoregressive_seconds": float(statistics.median(base.seconds)),
@@ -153,6 +209,20 @@ def run_task(args, task: str) -> list[dict[str, Any]]:
           "examples": len(inputs)})
     jax.clear_caches()
   return rows
+
+
+def best_depths(rows) -> dict[tuple[str, float], dict[str, Any]]:
+  """{(task, temperature): {k, predicted, speedup}}: the layer skip depth whose cost model
+  (the measured alpha, c and verify cost) predicts the largest speedup."""
+  out = {}
+  for r in rows:
+    if not r["decoder"].startswith("layer skip ") or r["predicted"] is None:
+      continue
+    key = (r["task"], r["temperature"])
+    if key not in out or r["predicted"] > out[key]["predicted"]:
+      out[key] = {"k": int(r["decoder"].rsplit(" ", 1)[1]), "predicted": r["predicted"],
+                  "speedup": r["speedup"]}
+  return out
 
 
 def parse_args(argv: Sequence[str]):
@@ -197,25 +267,41 @@ def parse_args(argv: Sequence[str]):
 
 
 def run(args, meta) -> harness.Output:
-  rows = []
+  rows, ceilings = [], {}
   for task in args.tasks:
-    rows += run_task(args, task)
+    rows += run_task(args, task, ceilings)
   f2, f3 = (lambda v: fmt(v, 2)), (lambda v: fmt(v, 3))
   cols = [Column("task", "task"), Column("temperature", "T", lambda v: fmt(v, 0)),
           Column("decoder", "decoder"), Column("draft_model", "draft model"),
           Column("tokens_per_call", "tokens/call", f2),
           Column("drafted_per_call", "drafted/call", f2), Column("alpha", "alpha", f3),
-          Column("c", "c", f3), Column("speedup", "measured speedup", lambda v: fmt(v, 2, "X")),
+          Column("c", "c", f3),
+          Column("predicted", "cost model", lambda v: fmt(v, 2, "X")),
+          Column("speedup", "measured speedup", lambda v: fmt(v, 2, "X")),
+          Column("speedup_fastest", "fastest calls", lambda v: fmt(v, 2, "X")),
           Column("identical_fraction", "identical (t=0)", f2)]
   notes = [f"Big demo targets (45.6M, T5.1.1-small-shaped), batch 1, gamma {args.gamma}, "
            f"{args.num_examples} test examples per task; speedup: median over {args.repeats} "
            "interleaved rounds of autoregressive / decoder seconds (compilation excluded, "
-           "encoding included).",
+           "encoding included); fastest calls: the sums of each example's fastest call, "
+           "autoregressive / decoder.",
            "c: one proposal's marginal cost in its loop / (gamma x the target's step); the "
            "lookup's is its search, the layer skip's the truncated target's steps."]
+  for (task, temperature), best in best_depths(rows).items():
+    notes.append(f"{task}, t={temperature:g}: of the layer skip depths, the cost model picks "
+                 f"k = {best['k']} from the measured alpha and c ({best['predicted']:.2f}X "
+                 f"predicted, {best['speedup']:.2f}X measured).")
+  for task, c in ceilings.items():
+    notes.append(f"{task}: an oracle lookup on the greedy outputs (`lookup_ceiling`) would "
+                 f"reach {c[1]:.2f} tokens per call with the first match (the chain lookup's "
+                 f"rule) and {c[8]:.2f} with the best of 8 distinct matches (a lookup tree's "
+                 "most): the task's own copy rate bounds any source lookup.")
   if args.scale == "tiny":
     notes = ["Tiny scale: random T5 models on the offline toy task; the numbers mean nothing."]
-  return harness.Output(args.name, "Speculation without a draft model", cols, rows, notes)
+  return harness.Output(args.name, "Speculation without a draft model", cols, rows, notes,
+                        extra={"lookup_ceiling": ceilings,
+                               "best_layer_skip_depth": {f"{t}_t{temp:g}": v for (t, temp), v
+                                                         in best_depths(rows).items()}})
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

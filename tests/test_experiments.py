@@ -296,8 +296,8 @@ def test_peers_tiny(out):
       "--repeats", "1", "--name", "tiny", "--results_dir", out["results"]])
   doc = _json(paths["json"])
   names = [r["decoder"] for r in doc["rows"]]
-  assert names[:3] == ["ours: autoregressive", "ours: speculative (gamma 7)",
-                       "HF: greedy generate"]
+  assert names[:4] == ["ours: autoregressive", "ours: speculative (gamma 7)",
+                       "ours: source lookup (7 tokens)", "HF: greedy generate"]
   assert any("assisted" in n for n in names) and any("prompt lookup" in n for n in names)
   for r in doc["rows"]:
     assert r["tokens_per_second"] > 0
@@ -305,6 +305,8 @@ def test_peers_tiny(out):
     assert r["identical"] == 1.0, r
   assert doc["rows"][0]["speedup_over_own_baseline"] == 1.0
   assert doc["summary"]["ours_speculative_over_hf_assisted"] > 0
+  assert doc["summary"]["ours_lookup_speedup"] > 0
+  assert doc["summary"]["hf_prompt_lookup_speedup"] > 0
   with pytest.raises(SystemExit):
     peers.parse_args(["--target", "t5_1_1_tiny"])
 
@@ -436,6 +438,14 @@ def test_trees_tiny(out):
   assert sum(r["chosen"] for r in res["rows"][1:]) == (choice["budget"] != 3)
 
 
+def test_lookup_ceiling():
+  src = np.array([[5, 6, 7, 5, 6, 8, 1]])
+  # the first match of "5" continues 6 7 ..: 1 token accepted; the second (6 8 1) all three
+  assert draft_free.lookup_ceiling(src, [[5, 6, 8, 1]], gamma=4, width=1) == pytest.approx(4 / 3)
+  assert draft_free.lookup_ceiling(src, [[5, 6, 8, 1]], gamma=4, width=8) == 2.0
+  assert draft_free.lookup_ceiling(src, [[9, 9, 9, 1]], gamma=4) == pytest.approx(4 / 3)
+
+
 @pytest.mark.slow
 def test_draft_free_tiny(out):
   paths = draft_free.main(["--scale", "tiny", "--temperatures", "0,1", "--num_examples", "2",
@@ -449,12 +459,19 @@ def test_draft_free_tiny(out):
   assert [r["temperature"] for r in rows] == [0.0] * 7 + [1.0] * 7
   for r in rows:
     assert r["tokens_per_call"] >= 1 and r["c"] > 0 and r["speedup"] > 0
+    assert r["speedup_fastest"] > 0 and r["predicted"] > 0
     assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small"}.get(
         r["decoder"], "none")
     assert r["identical_fraction"] == (1.0 if r["temperature"] == 0 else None)
   # the lookup proposes no more than its cap after a single-token match; the chains always gamma
   assert rows[1]["drafted_per_call"] <= rows[0]["drafted_per_call"]
   assert all(r["drafted_per_call"] == 4 for r in rows if r["decoder"].startswith("layer"))
+  assert set(res["lookup_ceiling"]["toy_reverse"]) == {"1", "8"}
+  for t in ("0", "1"):
+    best = res["best_layer_skip_depth"][f"toy_reverse_t{t}"]
+    skips = [r for r in rows if r["decoder"].startswith("layer skip")
+             and r["temperature"] == float(t)]
+    assert best["predicted"] == max(r["predicted"] for r in skips) and best["k"] in (1, 2)
   with pytest.raises(SystemExit):
     draft_free.main(["--tasks", "fr"])
   with pytest.raises(SystemExit):
