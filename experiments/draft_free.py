@@ -32,8 +32,8 @@ interleaved within a round, all after compilation) of the baseline's seconds ove
 decoder's, and the same ratio of each example's fastest call summed over the examples
 (`fastest calls`: what a round's drift or a stall cannot move); at t=0 the fraction of rows
 identical to the baseline. The EAGLE heads shipped for the demo tasks read the 3.7M
-targets' features (width 192), not the big targets': they do not run here. The tiny scale runs random T5 models on
-the offline toy task: seconds, for CI; the numbers mean nothing.
+targets' features (width 192), not the big targets': they do not run here. The tiny scale
+runs random T5 models on the offline toy task: seconds, for CI; the numbers mean nothing.
 The notes name the layer skip depth the cost model picks (`best_depths`) and what an oracle
 lookup could reach on the greedy outputs (`lookup_ceiling`).
 Writes <results_dir>/<name>.{md,csv,json}.

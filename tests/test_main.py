@@ -488,6 +488,39 @@ def test_gamma_choice_falls_back_to_the_autoregressive_loop(tmp_path):
   assert again["experiment"]["decoders"]["speculative"]["name"] == "autoregressive"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback_below", ["None", "1000.0"])
+def test_gamma_choice_of_a_lookup_decoder(tmp_path, fallback_below):
+  """A source lookup (no draft model) proposes fewer than gamma tokens, often none: the
+  choice keeps the warm-up gamma and predicts from the drafter's mean proposed length
+  (`Drafter.expected_tokens`), falling back to the autoregressive loop below the threshold."""
+  out = str(tmp_path / "lookup")
+  bindings = SMALL + [
+      "NUM_EXAMPLES = 3", "ExperimentConfig.draft = None",
+      "lookup/Speculative.drafter = @LookupDrafter()",
+      "ExperimentConfig.decoders = {'lookup': @lookup/Speculative()}",
+      "ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.decoder = 'lookup'",
+      "GammaChoice.warmup_examples = 2", f"GammaChoice.fallback_below = {fallback_below}"]
+  summary = main.run([TOY], bindings, out, show_progress=False)
+  choice = summary["gamma_selection"]
+  assert choice["rule"] == "drafter" and choice["drafter"]["gamma"] == 4
+  expected = decoding.LookupDrafter().expected_tokens(
+      alpha=choice["alpha"], gamma=4, counters={"draft_tokens": choice["drafted_per_call"],
+                                                "target_calls": 1.0})
+  ratio = choice["verify_ratio_by_tokens"]["5"]
+  assert choice["predicted_speedup"] == pytest.approx(expected / (4 * choice["c"] + ratio))
+  assert 0.0 <= choice["drafted_per_call"] <= 4.0
+  text = main.format_summary(summary)
+  if fallback_below == "None":
+    assert choice["gamma"] == 4 and "fallback" not in choice
+    assert "the drafter's own cost model at its mean proposed length" in text
+  else:
+    assert choice["gamma"] == 0
+    assert "the cost model at the drafter's mean proposed length" in choice["fallback"]
+    assert summary["experiment"]["decoders"]["lookup"]["name"] == "autoregressive"
+  assert summary["identical_fraction"] == 1.0
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan"), True, "1"])
 def test_gamma_choice_fallback_threshold_is_checked(value):
   with pytest.raises(ValueError, match="GammaChoice.fallback_below must be a finite speedup"):

@@ -178,9 +178,14 @@ def format_summary(summary: dict) -> str:
   if choice.get("fallback"):
     lines.append(f"gamma 0: {choice['fallback']}")
   elif choice:
-    how = ("the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) with the verify "
-           "costs measured" if choice.get("rule", "thm_3_8") == "cost_model" else "Thm 3.8")
-    lines.append(f"gamma {choice['gamma']} was chosen by theory.optimal_gamma ({how}) from "
+    rule = choice.get("rule", "thm_3_8")
+    how = {"cost_model": "theory.optimal_gamma (the cost model E[tokens] / (gamma c + "
+                         "T_verify(gamma+1) / T_p) with the verify costs measured)",
+           "drafter": "the drafter's own cost model at its mean proposed length "
+                      f"{choice.get('drafted_per_call', 0.0):.2f} (proposals shorter than "
+                      "gamma: the warm-up gamma kept, speculation checked to pay)"}.get(
+               rule, "theory.optimal_gamma (Thm 3.8)")
+    lines.append(f"gamma {choice['gamma']} was chosen by {how} from "
                  f"alpha {choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
                  f"{choice['warmup_examples']} warm-up examples; alpha and c above are from the "
                  "full run"

@@ -55,12 +55,13 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
     cfg = s.config
     warmup = s.examples[:gc.warmup_examples]
     decode = setup.decode_fns(s)[gc.decoder]
-    sums = np.zeros(2)
+    sums = np.zeros(4)
     for i in range(0, len(warmup), cfg.batch_size):
       batch = warmup[i:i + cfg.batch_size]
       stats = distributed.gather(decode(*setup.inputs(s, batch)).stats)
       n = len(batch)
-      sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n])]
+      sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n]),
+               np.sum(stats.draft_tokens[:n]), np.sum(stats.target_calls[:n])]
     alpha = metrics.alpha_estimate(min_pq_sum=sums[0], decisions=sums[1])
     if math.isnan(alpha):
       raise ValueError(f"the {len(warmup)} warm-up examples made no draft decisions (every "
@@ -84,8 +85,21 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
       choice["verify_ratio_fitted"] = {str(n): r for n, r in sorted(ratios.items())}
       choice["cost_model"] = {"gamma": cm_gamma, "predicted_speedup": float(
           theory.cost_model_improvement(alpha, cm_gamma, c, ratios))}
-    choice["gamma"] = choice[gc.rule]["gamma"]
-    choice["predicted_speedup"] = choice[gc.rule]["predicted_speedup"]
+    algo = cfg.decoders[gc.decoder]
+    if algo.drafter.varies_length:
+      # Proposals shorter than gamma (a lookup that matched nothing): the drafter predicts
+      # its own yield at its mean proposed length (`Drafter.expected_tokens`), at the
+      # warm-up gamma, and the full verify call is charged (an upper bound of its cost).
+      choice["rule"] = "drafter"
+      tokens = algo.drafter.expected_tokens(
+          alpha=alpha, gamma=gc.warmup_gamma,
+          counters={"draft_tokens": sums[2], "target_calls": sums[3]})
+      ratio = steps["verify_ratio_by_tokens"][str(gc.warmup_gamma + 1)]
+      choice["drafted_per_call"] = float(sums[2] / max(sums[3], 1))
+      choice["drafter"] = {"gamma": gc.warmup_gamma, "predicted_speedup": float(
+          tokens / (gc.warmup_gamma * c + ratio))}
+    choice["gamma"] = choice[choice["rule"]]["gamma"]
+    choice["predicted_speedup"] = choice[choice["rule"]]["predicted_speedup"]
     if gc.fallback_below is not None and choice["predicted_speedup"] < gc.fallback_below:
       choice["fallback"] = fallback_message(gc, choice)
       choice["gamma"] = 0
@@ -99,17 +113,20 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
 
 def fallback_message(gc, choice: dict[str, Any]) -> str:
   """Why a gamma choice fell back to the autoregressive loop (gamma 0), in one sentence."""
-  rule = "the cost model" if gc.rule == "cost_model" else "Thm 3.8"
-  return (f"speculation cannot pay here: {rule} predicts {choice['predicted_speedup']:.2f}X at "
-          f"its best gamma ({choice[gc.rule]['gamma']}; alpha {choice['alpha']:.3f}, c "
-          f"{choice['c']:.3f}{_verify_cost(choice, gc.rule)}), below GammaChoice.fallback_below "
+  rule = choice.get("rule", gc.rule)
+  name = {"cost_model": "the cost model", "thm_3_8": "Thm 3.8",
+          "drafter": "the cost model at the drafter's mean proposed length "
+                     f"{choice.get('drafted_per_call', 0.0):.2f}"}[rule]
+  return (f"speculation cannot pay here: {name} predicts {choice['predicted_speedup']:.2f}X at "
+          f"its best gamma ({choice[rule]['gamma']}; alpha {choice['alpha']:.3f}, c "
+          f"{choice['c']:.3f}{_verify_cost(choice, rule)}), below GammaChoice.fallback_below "
           f"= {gc.fallback_below:g}, so decoder {gc.decoder!r} ran the autoregressive loop "
           "(gamma 0); GammaChoice.fallback_below = None speculates anyway")
 
 
 def _verify_cost(choice: dict[str, Any], rule: str) -> str:
-  if rule != "cost_model":
+  if rule == "thm_3_8":
     return ""
-  n = str(choice["cost_model"]["gamma"] + 1)
+  n = str(choice[rule]["gamma"] + 1)
   ratio = choice.get("verify_ratio_fitted", {}).get(n)
   return "" if ratio is None else f", T_verify({n}) / T_p {ratio:.2f}"
