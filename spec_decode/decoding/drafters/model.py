@@ -67,12 +67,9 @@ class ModelDrafter(Drafter):
     draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
     logits, cache = self.first_logits(ctx, cache, committed)
     greedy = sampling.greedy  # then each token is the argmax: a point mass, no q to carry
-    if forced is None:
-      forced_KB, use_B = jnp.zeros((num, logits.shape[0]), jnp.int32), None
-    else:
-      forced_KB, use_B = jnp.swapaxes(forced[0], 0, 1).astype(jnp.int32), forced[1]
+    use_B = None if forced is None else forced[1]
 
-    def choose(key_B, logits_BV, forced_B):
+    def choose(key_B, logits_BV, forced_B=None):
       if greedy:
         x = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         return (x if use_B is None else jnp.where(use_B, forced_B, x)), None
@@ -83,18 +80,24 @@ class ModelDrafter(Drafter):
       x = jnp.where(use_B, forced_B, x)
       return x, jnp.where(use_B[:, None], jax.nn.one_hot(x, q.shape[-1], dtype=q.dtype), q)
 
-    x1, q1 = choose(keys_BK[:, 0], logits, forced_KB[0])
+    keys_KB = jnp.swapaxes(keys_BK[:, 1:], 0, 1)
+    if forced is None:  # the scan carries exactly the draft's own chain
+      x1, q1 = choose(keys_BK[:, 0], logits)
+      inputs = keys_KB
+    else:
+      forced_KB = jnp.swapaxes(forced[0], 0, 1).astype(jnp.int32)
+      x1, q1 = choose(keys_BK[:, 0], logits, forced_KB[0])
+      inputs = (keys_KB, forced_KB[1:])
 
     def step(carry, inputs):
       cache, x = carry
-      key_B, forced_B = inputs
+      key_B, forced_B = inputs if forced is not None else (inputs, None)
       out = draft.decode(params, cache, x[:, None])
       x, q = choose(key_B, out.logits[:, 0], forced_B)
       return (out.cache, x), (x, q)
 
     cache = ctx.constrain_cache(cache, "draft")
-    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1),
-                                        (jnp.swapaxes(keys_BK[:, 1:], 0, 1), forced_KB[1:]))
+    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), inputs)
     x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
     q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     return Proposal.chain(x, q), ctx.constrain_cache(cache, "draft")
