@@ -508,6 +508,7 @@ def test_gamma_choice_of_a_lookup_decoder(tmp_path, fallback_below):
       alpha=choice["alpha"], gamma=4, counters={"draft_tokens": choice["drafted_per_call"],
                                                 "target_calls": 1.0})
   ratio = choice["verify_ratio_by_tokens"]["5"]
+  assert choice["drafter"]["verify_ratio"] == ratio
   assert choice["predicted_speedup"] == pytest.approx(expected / (4 * choice["c"] + ratio))
   assert 0.0 <= choice["drafted_per_call"] <= 4.0
   text = main.format_summary(summary)
@@ -517,6 +518,7 @@ def test_gamma_choice_of_a_lookup_decoder(tmp_path, fallback_below):
   else:
     assert choice["gamma"] == 0
     assert "the cost model at the drafter's mean proposed length" in choice["fallback"]
+    assert f"T_verify(5) / T_p {ratio:.2f}" in choice["fallback"]
     assert summary["experiment"]["decoders"]["lookup"]["name"] == "autoregressive"
   assert summary["identical_fraction"] == 1.0
 

@@ -25,7 +25,8 @@ compile_options.unroll_threefry_on_cpu()  # random draws in decoding loops: see 
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
            "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter",
-           "EagleTreeDrafter", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter", "ModelDrafter", "MtpDrafter", "Proposal",
-           "SampledTreeDrafter", "Sampling", "Speculative", "TreeDrafter", "TreeRRSVerifier",
+           "EagleTreeDrafter", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter",
+           "ModelDrafter", "MtpDrafter", "Proposal", "SampledTreeDrafter", "Sampling",
+           "Speculative", "TreeDrafter", "TreeRRSVerifier",
            "TreeVerifier", "Verdict", "Verifier", "autoregressive", "registry", "row_keys", "run",
            "sample_from", "speculative"]

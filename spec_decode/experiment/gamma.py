@@ -96,8 +96,8 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
           counters={"draft_tokens": sums[2], "target_calls": sums[3]})
       ratio = steps["verify_ratio_by_tokens"][str(gc.warmup_gamma + 1)]
       choice["drafted_per_call"] = float(sums[2] / max(sums[3], 1))
-      choice["drafter"] = {"gamma": gc.warmup_gamma, "predicted_speedup": float(
-          tokens / (gc.warmup_gamma * c + ratio))}
+      choice["drafter"] = {"gamma": gc.warmup_gamma, "verify_ratio": ratio,
+                           "predicted_speedup": float(tokens / (gc.warmup_gamma * c + ratio))}
     choice["gamma"] = choice[choice["rule"]]["gamma"]
     choice["predicted_speedup"] = choice[choice["rule"]]["predicted_speedup"]
     if gc.fallback_below is not None and choice["predicted_speedup"] < gc.fallback_below:
@@ -128,5 +128,5 @@ def _verify_cost(choice: dict[str, Any], rule: str) -> str:
   if rule == "thm_3_8":
     return ""
   n = str(choice[rule]["gamma"] + 1)
-  ratio = choice.get("verify_ratio_fitted", {}).get(n)
+  ratio = choice[rule].get("verify_ratio", choice.get("verify_ratio_fitted", {}).get(n))
   return "" if ratio is None else f", T_verify({n}) / T_p {ratio:.2f}"

@@ -93,8 +93,10 @@ class LookupDrafter(Drafter):
   (2, 4) proposes at most 2 tokens after a single-token match, whose continuation is
   the least likely to be right; None: gamma after any match. fallback: what a row with no
   match proposes: None (default) proposes nothing (the verify call is a plain target
-  step), or a chain drafter (e.g. `ModelDrafter()` with a draft model, which then runs
-  every iteration, for every row: static shapes) whose proposal such a row takes.
+  step), `ModelDrafter()` (the draft model: a small T5, an n-gram table) or
+  `LayerSkipDrafter()` (the target's first layers). The fallback then runs every
+  iteration for every row (static shapes), fed the lookup's tokens in the rows that
+  matched (`ModelDrafter.propose(forced=...)`), so its cache holds what every row commits.
   """
   max_ngram: int = 3
   min_ngram: int = 1
@@ -153,8 +155,8 @@ class LookupDrafter(Drafter):
 
   def propose(self, ctx, state, committed: Committed, keys, num: int):
     tokens, length, ngram = lookup(ctx.encoder_tokens, committed.tokens, committed.length,
-                               num=num, max_ngram=self.max_ngram, min_ngram=self.min_ngram,
-                               search_output=self.search_output)
+                                   num=num, max_ngram=self.max_ngram,
+                                   min_ngram=self.min_ngram, search_output=self.search_output)
     if self.tokens_per_ngram is not None:
       caps = self.tokens_per_ngram
       cap = jnp.asarray([0] + [caps[min(n, len(caps)) - 1]
