@@ -36,7 +36,10 @@ def _models():
 
 def _workload(kind: str, temperature: float = 0.0) -> timing.Workload:
   target, tp, draft, dp, heads, hp, enc = _models()
-  d, p = (draft, dp) if kind == "model" else (heads[kind], hp[kind])
+  if kind == "none":  # a draft-free drafter: the target alone
+    d, p = None, None
+  else:
+    d, p = (draft, dp) if kind == "model" else (heads[kind], hp[kind])
   return timing.Workload(target=target, target_params=tp, encoder_tokens=enc,
                          cache_length=L + 9, position=L // 2, draft=d, draft_params=p,
                          sampling=decoding.Sampling(temperature=temperature))
@@ -47,19 +50,33 @@ DRAFTERS = [("model", decoding.ModelDrafter()),
             ("model", decoding.SampledTreeDrafter(width=2, depth=2)),
             ("eagle", decoding.EagleDrafter()),
             ("eagle", decoding.EagleTreeDrafter(budget=4, depth=3)),
-            ("medusa", decoding.MedusaDrafter()), ("mtp", decoding.MtpDrafter())]
+            ("medusa", decoding.MedusaDrafter()), ("mtp", decoding.MtpDrafter()),
+            ("none", decoding.LookupDrafter()), ("none", decoding.LayerSkipDrafter(layers=1))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,drafter", DRAFTERS, ids=[type(d).__name__ for _, d in DRAFTERS])
-def test_every_drafter_times_its_own_proposal(kind, drafter):
+def test_every_drafter_times_its_own_proposal(kind, drafter, monkeypatch):
+  """proposal_seconds times the drafter's own proposal loop as a marginal pair (steps and
+  twice as many) with the shared timer and returns the median of its rounds; the clock is
+  replaced by fixed round values, so nothing here depends on how fast the machine is."""
   temperature = 1.0 if isinstance(drafter, decoding.SampledTreeDrafter) else 0.0
   w = _workload(kind, temperature)
   loop = drafter.proposal_loop(w, gamma=2, steps=2)
   assert loop.steps == 2
   jax.block_until_ready(loop())
-  seconds = drafter.proposal_seconds(w, gamma=2, steps=2, repeats=1)
-  assert np.isfinite(seconds) and seconds > 0
+  seen = {}
+
+  def fake_interleaved(loops, *, repeats):
+    (name, pair), = loops.items()
+    seen.update(name=name, steps=tuple(f.steps for f in pair), repeats=repeats)
+    for f in pair:
+      jax.block_until_ready(f())  # the loops the timer would run, run once
+    return {name: [0.3, 0.1, 0.2]}
+
+  monkeypatch.setattr(timing, "interleaved", fake_interleaved)
+  assert drafter.proposal_seconds(w, gamma=2, steps=2, repeats=3) == 0.2
+  assert seen == {"name": "proposal", "steps": (2, 4), "repeats": 3}
 
 
 def test_expected_tokens_of_chains_and_trees():

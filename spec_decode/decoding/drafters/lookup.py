@@ -59,15 +59,17 @@ def lookup(source_BS, output_BR, length_B, *, num: int, max_ngram: int, min_ngra
   pos_H = jnp.arange(H)
   best_start = jnp.zeros((B,), jnp.int32)  # where the continuation starts in hay
   best_n = jnp.zeros((B,), jnp.int32)
+  # hay shifted left by t (token h + t at position h) and whether that token is real, for
+  # every offset an n-gram reads; shared by all n
+  shifted = [jnp.roll(hay, -t, axis=1) for t in range(max_ngram)]
+  real = [jnp.roll(valid, -t, axis=1) & (pos_H[None, :] + t < H) for t in range(max_ngram)]
   for n in range(min_ngram, max_ngram + 1):  # longer n overwrite shorter ones
     # suffix [B, n]: s_{m-n+1} .. s_m (rows with m < n cannot match)
     idx = m[:, None] - n + jnp.arange(n)[None, :]
     suffix = jnp.take_along_axis(output_BR, jnp.clip(idx, 0, R - 1), axis=1)
     match = jnp.ones((B, H), bool)
     for t in range(n):
-      shifted = jnp.roll(hay, -t, axis=1)
-      ok = jnp.roll(valid, -t, axis=1) & (pos_H[None, :] + t < H)
-      match &= ok & (shifted == suffix[:, t:t + 1])
+      match &= real[t] & (shifted[t] == suffix[:, t:t + 1])
     start = pos_H[None, :] + n  # the continuation's first position
     # at least one token after the match, within the same segment (source or output)
     match &= (start < end_H) & (m[:, None] >= n)
