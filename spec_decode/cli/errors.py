@@ -12,7 +12,9 @@ else is a bug and keeps Python's traceback (exit code 1).
 Known errors are `KNOWN_ERRORS`: ValueError (which CheckpointError and gin's
 binding errors are), OSError (missing files, permissions, time-outs),
 SyntaxError from gin's parser, and ImportError of an optional extra (the line
-says which extra to install).
+says which extra to install). Running out of memory (XLA's RESOURCE_EXHAUSTED, a
+MemoryError) is one line with exit code 2 too, naming the allocation and what to lower,
+and so is a backend JAX cannot start (JAX_PLATFORMS naming one that is not installed).
 
 `quiet_logging()` keeps INFO chatter (JAX's platform probing, TensorFlow's CUDA
 probing) off the console unless --verbose.
@@ -25,6 +27,7 @@ import logging as py_logging
 import os
 import sys
 import traceback
+from typing import Callable
 
 from absl import flags, logging
 
@@ -81,18 +84,58 @@ def describe(error: BaseException) -> str:
   return f"{type(error).__name__}: " + " | ".join(lines)
 
 
+def flags_parser(program: str, rewrite: Callable[[list[str]], list[str]] = list):
+  """A `flags_parser` for absl's app.run: parses the command line (after `rewrite`), and
+  an unknown flag or a bad value (a non-boolean for a boolean flag) ends the command with
+  one line and exit code 2 instead of absl's traceback."""
+  def parse(argv):
+    try:
+      return flags.FLAGS(rewrite(argv))
+    except flags.Error as e:
+      print(f"{program}: error: {e} (--helpfull lists the flags)", file=sys.stderr, flush=True)
+      raise SystemExit(EXIT_USAGE) from None
+  return parse
+
+
+def out_of_memory(error: BaseException) -> str | None:
+  """One line for an allocation that failed (XLA's RESOURCE_EXHAUSTED, a MemoryError from
+  numpy or Python), or None for any other error."""
+  text = str(error)
+  if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") \
+      and "RESOURCE_EXHAUSTED" in text:
+    first = next((line.strip() for line in text.splitlines() if line.strip()), text)
+    return (f"out of memory: {first}; the decode did not fit on the device: lower the batch "
+            "size, gamma or max_decode_len (spec_decode.cli.memory plans a run's memory)")
+  if isinstance(error, MemoryError):
+    return (f"out of memory: {text or type(error).__name__}; lower the batch size, gamma or "
+            "max_decode_len")
+  return None
+
+
+def backend_unavailable(error: BaseException) -> str | None:
+  """One line when JAX cannot start the backend asked for (JAX_PLATFORMS names one this
+  installation lacks), or None."""
+  text = str(error)
+  if isinstance(error, RuntimeError) and text.startswith("Unable to initialize backend"):
+    return (f"{text.splitlines()[0]} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}; "
+            "unset it to use the backends this installation has)")
+  return None
+
+
 @contextlib.contextmanager
 def handle_errors(program: str, *, verbose: bool | None = None):
-  """Turns a known error into one line on stderr and exit code 2 (SystemExit)."""
+  """Turns a known error -- or running out of memory -- into one line on stderr and exit
+  code 2 (SystemExit)."""
   try:
     yield
-  except KNOWN_ERRORS as e:
-    if not is_known(e):
+  except Exception as e:  # pylint: disable=broad-except
+    line = describe(e) if is_known(e) else (out_of_memory(e) or backend_unavailable(e))
+    if line is None:
       raise
     if verbose if verbose is not None else _verbose():
       traceback.print_exc()
     else:
-      print(f"{program}: error: {describe(e)} (--verbose shows the traceback)",
+      print(f"{program}: error: {line} (--verbose shows the traceback)",
             file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USAGE) from None
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode import compile_options, partitioning
+from spec_decode.decoding import footprint
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import DecodeResult, DecodeStats
 from spec_decode.models import base, offload
@@ -39,6 +40,13 @@ def row_keys(rng: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
   neighbours; pass the same `row_ids` to decode a row alone and in a batch.
   """
   return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(row_ids)
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+  """[B] bool: rows of logits [B, ..., V] holding a NaN or an infinity anywhere (a
+  diverged or badly converted model: its argmax is then index 0, PAD, silently). The
+  decoders count such calls per row (the `nonfinite_calls` counter) so runs can say so."""
+  return ~jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))
 
 
 def is_int(x) -> bool:
@@ -251,8 +259,12 @@ def input_length(tokens) -> int:
   of at least MIN_INPUT_BUCKET, so that batches of different lengths share a few compiles;
   never more than S."""
   filled = np.flatnonzero((np.asarray(tokens) != 0).any(axis=0))
-  n = int(filled[-1]) + 1 if filled.size else 1
-  return min(tokens.shape[1], max(MIN_INPUT_BUCKET, 1 << (n - 1).bit_length()))
+  return length_bucket(int(filled[-1]) + 1 if filled.size else 1, tokens.shape[1])
+
+
+def length_bucket(n: int, width: int) -> int:
+  """The encoder length inputs of up to n real tokens run at, padded to `width`."""
+  return min(width, max(MIN_INPUT_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
 
 
 def trim_padding(tokens):
@@ -395,6 +407,23 @@ def compiled_shape(model, tokens) -> tuple[int, int | None]:
   return trimmed.shape[1], None if index is None else int(index.size)
 
 
+def _before_compile(algorithm, target, draft, max_decode_len, sampling, tokens, draft_tokens,
+                    rest, devices) -> None:
+  """Once per distinct decode program: room among the process's memory maps, and a
+  refusal (`footprint.DecodeMemoryError`) of a shape that cannot fit in `devices`' memory."""
+  shape = lambda t: None if t is None else tuple(t.shape)
+  key = (algorithm, target, draft, max_decode_len, sampling, shape(tokens), shape(draft_tokens),
+         rest)
+  try:
+    hash(key)
+  except TypeError:  # e.g. partitioning rules given as lists
+    key = repr(key)
+  footprint.before_compile(key, lambda: footprint.check_fits(
+      algorithm, target, draft, batch=tokens.shape[0], input_len=tokens.shape[1],
+      draft_input_len=None if draft_tokens is None else draft_tokens.shape[1],
+      max_decode_len=max_decode_len, devices=devices))
+
+
 def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=None,
         draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
         sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
@@ -464,12 +493,18 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     packed = (None, None)
     if pack_inputs:
       packed = (pack_index(target, args[2]), pack_index(draft, args[3]))
+    options = compile_options.resolve(compiler_options)
+    _before_compile(algorithm, target, draft, max_decode_len, sampling, args[2], args[3],
+                    (options, tuple(None if i is None else i.shape for i in packed)),
+                    jax.devices()[:1])
     # Weights laid out for this backend's decoding kernels (packed once per tree).
     args = (base.decoding_params(target, target_params),
             base.decoding_params(draft, draft_params), *args[2:])
-    return _unsharded_jit(compile_options.resolve(compiler_options))(
+    return _unsharded_jit(options)(
         *args, packed, algorithm=algorithm, target=target, draft=draft,
         max_decode_len=max_decode_len, sampling=sampling)
+  _before_compile(algorithm, target, draft, max_decode_len, sampling, encoder_tokens,
+                  draft_encoder_tokens, (mesh, rules, draft_rules), mesh.devices.flat)
   fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,
                              max_decode_len=max_decode_len, sampling=sampling, rules=rules,
                              draft_rules=draft_rules, target_params=target_params,

@@ -21,8 +21,11 @@ class DecodeStats:
   tokens. Read them as attributes (`stats.accepted`) or by name
   (`stats.counters["accepted"]`). The speculative algorithms count:
 
-  target_calls: target (decoder) invocations while the row was active (also
-                the autoregressive baseline's only counter).
+  target_calls: target (decoder) invocations while the row was active (the
+                autoregressive baseline's counter too).
+  nonfinite_calls: those target calls whose logits for the row held a NaN or an
+                infinity (both kinds of decoder count it): a row with any decoded
+                nothing the model meant (an argmax over NaN is PAD).
   draft_tokens: tokens the drafter proposed (a proposal's `proposed` length, which an
                 adaptive drafter varies per row; `draft_tokens / target_calls` is
                 the mean drafted length per call).

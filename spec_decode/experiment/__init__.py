@@ -8,12 +8,11 @@
   gamma        a chain decoder's gamma chosen from warm-up measurements
   report, results, status   the summary and table row; the output directory's files; runs
   batching     fixed-shape batches
-  executables  dropping compiled executables before XLA's memory maps run out
   memory       per-device memory plans of a sharded decode
 """
 
+from spec_decode.decoding.footprint import memory_map_use, release_executables_if_crowded
 from spec_decode.experiment.config import BASELINE, ExperimentConfig, GammaChoice
-from spec_decode.experiment.executables import memory_map_use, release_executables_if_crowded
 from spec_decode.experiment.gamma import GAMMA_FILE, choose_gamma
 from spec_decode.experiment.measure import measure_step_times, step_costs
 from spec_decode.experiment.model_specs import LoadContext, ModelSpec

@@ -187,6 +187,11 @@ class ExperimentConfig:
     if self.max_decode_len is not None and (not _is_int(self.max_decode_len)
                                             or self.max_decode_len < 1):
       raise ValueError(f"max_decode_len must be an int >= 1 or None, got {self.max_decode_len!r}")
+    for name, algo in self.decoders.items():
+      if _is_int(algo.gamma) and algo.gamma > self.decode_len:
+        raise ValueError(f"decoders[{name!r}] has gamma {algo.gamma}, larger than the "
+                         f"{self.decode_len} tokens decoded per example (max_decode_len): use "
+                         f"gamma <= {self.decode_len}")
     needs_draft = [n for n, a in self.algorithms.items() if a.needs_draft]
     if self.draft is None and needs_draft:
       raise ValueError(f"decoders {needs_draft} need a draft model but ExperimentConfig.draft "

@@ -69,17 +69,18 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
                        "(ExperimentConfig.gamma_choice = None) or raise "
                        "GammaChoice.warmup_examples")
     measured = gc.rule == "cost_model"
+    max_gamma = min(gc.max_gamma, cfg.decode_len)  # no call keeps more than decode_len tokens
     steps = measure.measure_step_times(s, repeats=cfg.step_timing_repeats, verify_tokens=(
-        verify_probe_tokens(gc.max_gamma) if measured else ()))
+        verify_probe_tokens(max_gamma) if measured else ()))
     c = steps["c_by_decoder"][gc.decoder]
-    thm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=gc.max_gamma))
+    thm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=max_gamma))
     choice = {"rule": gc.rule, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
               "thm_3_8": {"gamma": thm_gamma, "predicted_speedup": float(
                   theory.walltime_improvement(alpha, thm_gamma, c))}}
     if measured:
       raw = {int(n): r for n, r in steps["verify_ratio_by_tokens"].items()}
       ratios = theory.nondecreasing_costs(raw)  # timing noise must not pick gamma
-      cm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=gc.max_gamma,
+      cm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=max_gamma,
                                           verify_ratio=ratios))
       choice["verify_ratio_by_tokens"] = {str(n): r for n, r in sorted(raw.items())}
       choice["verify_ratio_fitted"] = {str(n): r for n, r in sorted(ratios.items())}

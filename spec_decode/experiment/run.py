@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from spec_decode import data, distributed
-from spec_decode.decoding import runner, timing
-from spec_decode.experiment import (executables, gamma, measure, model_specs, report, results,
+from spec_decode.decoding import footprint, runner, timing
+from spec_decode.experiment import (gamma, measure, model_specs, report, results,
                                     setup, status)
 from spec_decode.experiment.config import ExperimentConfig
 
@@ -138,7 +138,7 @@ def run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress: 
       return _run_experiment(config, output_dir=output_dir, show_progress=show_progress,
                              on_batch=on_batch)
   finally:
-    executables.release_executables_if_crowded()
+    footprint.release_executables_if_crowded()
 
 
 def progress(message: str, *, enabled: bool) -> None:

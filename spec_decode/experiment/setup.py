@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode import data, decoding, distributed, partitioning
+from spec_decode.decoding import footprint, runner
 from spec_decode.experiment import batching, model_specs
 from spec_decode.experiment.config import ExperimentConfig
 from spec_decode.experiment.model_specs import LoadContext
@@ -87,7 +88,22 @@ def load(config: ExperimentConfig, *, status: Callable[[str], None] = lambda msg
     if draft is not None:
       dparams = partitioning.put(dparams, partitioning.param_shardings(
           draft, mesh, partitioning.data_parallel_rules(config.rules), params=dparams))
+  check_memory(config, examples, target, draft, mesh)
   return Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh)
+
+
+def check_memory(config: ExperimentConfig, examples, target, draft, mesh) -> None:
+  """Refuses (`footprint.DecodeMemoryError`), before any batch is built, a configuration
+  whose decodes cannot fit in the memory of the devices in use: every configured algorithm
+  at the batch size, with the longest input among the examples."""
+  input_len = runner.length_bucket(max((len(ex.input_tokens) for ex in examples), default=1),
+                                   config.feature_lengths["inputs"])
+  devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+  for algorithm in config.algorithms.values():
+    footprint.check_fits(algorithm, target, draft if algorithm.needs_draft else None,
+                         batch=config.batch_size, input_len=input_len,
+                         draft_input_len=input_len, max_decode_len=config.decode_len,
+                         devices=devices)
 
 
 def decode_fns(s: Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.DecodeResult]]:

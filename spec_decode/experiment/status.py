@@ -7,6 +7,7 @@
   run_info          what runs.json keeps of a run that decoded rows
   summary_extras    the results' 'resume', 'runs' (each run's own speedup and
                     c), 'truncated' (inputs/targets cut to the feature lengths)
+                    'nonfinite_rows' (rows whose target logits held NaN/Inf, per decoder)
                     and 'notices' (what a person must know to read the numbers)
 
 Policy: rows are never re-decoded and measurements never overwritten. The
@@ -58,6 +59,17 @@ def run_info(step_times: Mapping[str, float]) -> dict[str, Any]:
   return {"step_times": dict(step_times), "c": step_times.get("c"), "devices": devices()}
 
 
+def nonfinite_rows(rows) -> dict[str, int]:
+  """{decoder: rows whose target logits held NaN/Inf in some call} over prediction rows
+  (decoders that count `nonfinite_calls`), only decoders with at least one such row."""
+  out: dict[str, int] = {}
+  for row in rows:
+    for name, dec in row.get("decoders", {}).items():
+      if dec.get("stats", {}).get("nonfinite_calls", 0) > 0:
+        out[name] = out.get(name, 0) + 1
+  return out
+
+
 def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence[data.Example],
                    config, resume: Mapping[str, Any]) -> dict[str, Any]:
   indices = {ex.index for ex in examples}
@@ -76,6 +88,14 @@ def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence
   if len(kinds) > 1:
     notices.append(f"those runs used different devices ({', '.join(sorted(kinds))}): their "
                    "timings do not compare; use a new output_dir for one clean measurement")
+  nonfinite = nonfinite_rows(rows[i] for i in sorted(indices) if i in rows)
+  if nonfinite:
+    notices.append("non-finite target logits (NaN or infinity) in "
+                   + ", ".join(f"{n} of {len(indices)} rows of {name}"
+                               for name, n in sorted(nonfinite.items()))
+                   + ": those outputs are not the model's (an argmax over NaN is PAD); the "
+                   "rows' 'nonfinite_calls' counter in predictions.jsonl marks them; check "
+                   "the checkpoint (a diverged or badly converted model)")
   truncated = data.truncation_counts(examples, config.feature_lengths)
   if truncated.get("inputs"):
     notices.append(f"{truncated['inputs']} of {len(examples)} inputs were longer than "
@@ -86,4 +106,4 @@ def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence
                    f"{truncated['targets_length']} tokens, so no output can match them whole "
                    "(outputs stop at max_decode_len; raise TARGET_LENGTH)")
   return {"resume": {k: v for k, v in resume.items() if k != "message"}, "runs": by_run,
-          "truncated": truncated, "notices": notices}
+          "truncated": truncated, "nonfinite_rows": nonfinite, "notices": notices}

@@ -401,6 +401,10 @@ def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, variant: str) 
 # The tuner streams its weights through this many bytes of copies, so that they come from
 # memory as a decode step's do, not from a cache that holds one small matrix.
 TUNE_STREAM_BYTES = 48 << 20
+# Row buckets above this share its measured choice: the kernel walks rows in blocks of at
+# most 12, so more rows change no variant's speed per row, and timing an encoder's
+# batch x length rows (millions, for a huge batch) would allocate them all.
+TUNE_MAX_ROWS = 1024
 
 
 def time_variant(M: int, K: int, N: int, dtype, variant: str, repeats: int = 3,
@@ -434,14 +438,14 @@ _CHOSEN: dict[str, str] = {}
 def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
   """The variant the kernel uses for M rows times [K, N] weights of `dtype` on this CPU:
   the override (SPEC_DECODE_CPU_KERNEL_VARIANT), else the fastest, measured once per CPU,
-  weight shape and power-of-two bucket of M (`time_variant`, at the bucket's top) and kept
-  in the kernel cache. Every variant gives the same bits, so the choice changes only the
-  time."""
+  weight shape and power-of-two bucket of M (`time_variant`, at the bucket's top, at most
+  TUNE_MAX_ROWS) and kept in the kernel cache. Every variant gives the same bits, so the
+  choice changes only the time."""
   override = _variant_override()
   if override is not None:
     return override
   built = variants()
-  rows = 1 << max(0, M - 1).bit_length()
+  rows = min(1 << max(0, M - 1).bit_length(), TUNE_MAX_ROWS)
   name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}{'_dot' if pairs else ''}"
   if not _CHOSEN:
     try:

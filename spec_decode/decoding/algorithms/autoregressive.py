@@ -44,7 +44,8 @@ class Autoregressive(runner.Algorithm):
       raise ValueError(f"compact_batch must be True or False, got {self.compact_batch!r}")
 
   def init_stats(self, batch_size: int) -> DecodeStats:
-    return DecodeStats.zeros(batch_size, target_calls=((), jnp.int32))
+    return DecodeStats.zeros(batch_size, target_calls=((), jnp.int32),
+                             nonfinite_calls=((), jnp.int32))
 
   def decode(self, ctx: runner.LoopContext) -> DecodeResult:
     B, L = ctx.batch_size, ctx.max_decode_len
@@ -76,7 +77,9 @@ class Autoregressive(runner.Algorithm):
       lengths = s.lengths + active.astype(jnp.int32)
       return _State(step=s.step + 1, last=tok, tokens=s.tokens.at[:, s.step].set(tok),
                     lengths=lengths, done=s.done | (tok == EOS_ID) | (lengths >= L),
-                    cache=cache, stats=s.stats.add(target_calls=active))
+                    cache=cache, stats=s.stats.add(
+                        target_calls=active,
+                        nonfinite_calls=active & runner.nonfinite_rows(out.logits)))
 
     return body
 

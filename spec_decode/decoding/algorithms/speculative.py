@@ -123,7 +123,8 @@ class Speculative(runner.Algorithm):
   def init_stats(self, batch_size: int) -> DecodeStats:
     i, f, K = jnp.int32, jnp.float32, (self.max_proposal,)
     extra = {"draft_mass_at": (K, f)} if self.drafter.reports_confidence else {}
-    return DecodeStats.zeros(batch_size, target_calls=((), i), draft_tokens=((), i),
+    return DecodeStats.zeros(batch_size, target_calls=((), i), nonfinite_calls=((), i),
+                             draft_tokens=((), i),
                              accepted=((), i), decisions=((), i), min_pq_sum=((), f),
                              accepted_at=(K, i), decided_at=(K, i), **extra)
 
@@ -236,7 +237,8 @@ class Speculative(runner.Algorithm):
       extra = {}
       if self.drafter.reports_confidence:  # the proposal's confidences, largest first
         extra["draft_mass_at"] = -jnp.sort(-proposal.confidence, axis=1) * a[:, None]
-      stats = s.stats.add(target_calls=a, draft_tokens=proposal.proposed * a, accepted=n * a,
+      stats = s.stats.add(target_calls=a, nonfinite_calls=runner.nonfinite_rows(out.logits) * a,
+                          draft_tokens=proposal.proposed * a, accepted=n * a,
                           decisions=verdict.decided * a,
                           min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
                           accepted_at=accepted_at, decided_at=decided_at, **extra)
