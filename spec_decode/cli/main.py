@@ -218,6 +218,17 @@ EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 def interrupted_line(output_dir: str) -> str:
   """What a Ctrl-C leaves: how many examples are saved where, and how to go on."""
+  return saved_line(output_dir, "interrupted")
+
+
+def host_lost_line(output_dir: str, lost: list[int] | None) -> str:
+  """What a lost host leaves each survivor: who was lost, what is saved, how to go on."""
+  return saved_line(output_dir, distributed.describe_lost(lost),
+                    rerun="rerun the same command on every host")
+
+
+def saved_line(output_dir: str, what: str, rerun: str = "rerun the same command") -> str:
+  """'PROGRAM: <what>: N examples are saved in PATH; <rerun> to resume from them'."""
   from spec_decode.experiment import results
   path = os.path.join(output_dir, results.PREDICTIONS)
   try:
@@ -226,8 +237,7 @@ def interrupted_line(output_dir: str) -> str:
     saved = sum(1 for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip())
   except OSError:
     saved = 0
-  return (f"{PROGRAM}: interrupted: {saved} examples are saved in {path}; rerun the same "
-          "command to resume from them")
+  return f"{PROGRAM}: {what}: {saved} examples are saved in {path}; {rerun} to resume from them"
 
 
 def main(argv: Sequence[str]) -> None:
@@ -238,6 +248,8 @@ def main(argv: Sequence[str]) -> None:
     errors.quiet_logging()
     distributed.initialize_from_flags()  # no-op for one process
     output_dir = FLAGS.output_dir or default_output_dir(FLAGS.gin_file or [DEFAULT_GIN_FILE])
+    # A lost host: the line every survivor ends with (exit distributed.EXIT_HOST_LOST).
+    distributed.on_host_lost(lambda lost: host_lost_line(output_dir, lost))
     try:
       summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
                     show_progress=FLAGS.progress and jax.process_index() == 0)
@@ -246,6 +258,12 @@ def main(argv: Sequence[str]) -> None:
         raise
       print(f"\n{interrupted_line(output_dir)}", file=sys.stderr, flush=True)
       raise SystemExit(EXIT_INTERRUPTED) from None
+    except Exception as error:  # a failed collective: another process is gone
+      lost = distributed.peer_lost(error)
+      if lost is None:
+        raise
+      distributed.exit_host_lost(host_lost_line(output_dir, lost),
+                                 error if FLAGS.verbose else None)
     if summary:  # process 0
       print(format_summary(summary))
 
@@ -253,7 +271,7 @@ def main(argv: Sequence[str]) -> None:
 def run_command() -> None:
   """`python -m spec_decode.main [flags]`: defines the flags, parses them, runs `main`."""
   define_flags()
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_layer.rewrite_gin_args(argv)))
+  app.run(main, flags_parser=errors.flags_parser(PROGRAM, gin_layer.rewrite_gin_args))
 
 
 if __name__ == "__main__":
