@@ -370,3 +370,44 @@ def test_data_extra_installs_what_tfds_imports_lazily():
   extras = ast.literal_eval(extras)
   assert "importlib_resources" in extras["data"]
   assert any(r.startswith("tensorflow-datasets") for r in extras["data"])
+
+
+def test_gin_files_that_are_not_text_or_leave_a_bracket_open_are_named(tmp_path):
+  unclosed = tmp_path / "unclosed.gin"
+  unclosed.write_text(f'include "{TOY}"\nGAMMA = [1, 2\n')
+  with pytest.raises(gin_layer.GinConfigError, match=r"unclosed.gin, line 3: EOF in "
+                                                     r"multi-line statement \(an unclosed"):
+    gin_layer.parse_experiment([str(unclosed)], [])
+  latin = tmp_path / "latin.gin"
+  latin.write_bytes(f'include "{TOY}"\n# caf\xe9\n'.encode("latin-1"))
+  with pytest.raises(gin_layer.GinConfigError, match=r"latin.gin, line 2: not UTF-8 text"):
+    gin_layer.parse_experiment([str(latin)], [])
+
+
+def test_a_temperature_that_is_not_a_number_is_named():
+  with pytest.raises(ValueError, match="temperature must be a number, got None"):
+    gin_layer.parse_experiment([TOY], ["TEMPERATURE = None"])
+
+
+def test_a_bad_environment_timeout_is_named(monkeypatch):
+  from spec_decode.checkpoints import storage
+  monkeypatch.setenv("SPEC_DECODE_GCS_TIMEOUT_S", "abc")
+  with pytest.raises(ValueError, match="SPEC_DECODE_GCS_TIMEOUT_S must be a positive number "
+                                       "of seconds, got 'abc'"):
+    storage._timeout_from_env()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, env, expected", [
+    (["--no_such_flag"], {}, "error: Unknown command line flag 'no_such_flag' (--helpfull"),
+    (["--progress=maybe"], {}, "Non-boolean argument to boolean flag"),
+    ([f"--gin_file={TOY}"], {"JAX_PLATFORMS": "no_such_backend"},
+     "error: Unable to initialize backend 'no_such_backend'"),
+], ids=["unknown_flag", "non_boolean", "unknown_backend"])
+def test_flag_and_environment_errors_are_one_line_exit_2(tmp_path, args, env, expected):
+  proc = subprocess.run([sys.executable, "-m", "spec_decode.main", *args,
+                         f"--output_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, **env))
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+  assert lines[0].startswith("spec_decode.main: ") and expected in lines[0], lines[0]

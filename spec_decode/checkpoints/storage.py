@@ -18,7 +18,21 @@ import tensorstore as ts
 
 from spec_decode.checkpoints.common import CheckpointError
 
-GCS_TIMEOUT_S = float(os.environ.get("SPEC_DECODE_GCS_TIMEOUT_S", "120"))
+def _timeout_from_env(name: str = "SPEC_DECODE_GCS_TIMEOUT_S", default: float = 120.0) -> float:
+  raw = os.environ.get(name)
+  if raw is None:
+    return default
+  try:
+    value = float(raw)
+  except ValueError:
+    value = float("nan")
+  if not (0 < value < float("inf")):
+    raise ValueError(f"environment variable {name} must be a positive number of seconds, "
+                     f"got {raw!r}")
+  return value
+
+
+GCS_TIMEOUT_S = _timeout_from_env()
 
 
 def wait(future, path: str, what: str = "reading"):

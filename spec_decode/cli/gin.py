@@ -14,7 +14,10 @@ call any registered configurable): parse only files you trust.
 from __future__ import annotations
 
 import difflib
+import io
+import logging
 import os
+import tokenize
 from typing import Any, Sequence
 
 from absl import flags
@@ -106,14 +109,51 @@ def _check_macros(gin_bindings: Sequence[str]) -> None:
                            f"file uses, so it would change nothing; {hint}")
 
 
+def check_gin_text(path: str) -> None:
+  """GinConfigError naming `path` (and the line) when it is not UTF-8 text or its brackets
+  or strings are left open (gin's own parser raises a bare tokenize error for those)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    line = 1 + e.object[:e.start].count(b"\n")
+    raise GinConfigError(f"{path}, line {line}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start}); gin files must be UTF-8") from None
+  try:
+    for _ in tokenize.generate_tokens(io.StringIO(text).readline):
+      pass
+  except tokenize.TokenError as e:
+    line = e.args[1][0] if len(e.args) > 1 and e.args[1] else "?"
+    raise GinConfigError(f"{path}, line {line}: {e.args[0]} (an unclosed bracket, brace or "
+                         "string?)") from None
+  except (SyntaxError, IndentationError):
+    pass  # left to gin's parser, whose errors name the file and line
+
+
+def _drop_gin_path_not_found(record) -> bool:
+  """A logging filter: gin logs 'Path not found' at ERROR for every place it searched
+  for an include before it raises the error that names the include, file and line; the
+  raised error is the one line a user needs."""
+  return not (record.pathname.endswith(os.path.join("gin", "resource_reader.py"))
+              and str(record.msg).startswith("Path not found"))
+
+
 def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
   """Clears gin and parses files (found as `resolve_gin_file` says) and bindings, strictly."""
   import gin
   register_gin()
+  root = logging.getLogger()
+  if _drop_gin_path_not_found not in root.filters:
+    root.addFilter(_drop_gin_path_not_found)
   gin.clear_config()  # one parse per run; also unlocks a config an earlier parse locked
   files = [resolve_gin_file(f) for f in gin_files]
+  for f in files:
+    check_gin_text(f)
   try:
     gin.parse_config_files_and_bindings(files, list(gin_bindings), skip_unknown=False)
+  except (tokenize.TokenError, UnicodeDecodeError) as e:  # an included file, or a binding
+    raise GinConfigError(f"gin syntax error in {files} or the bindings {list(gin_bindings)}: "
+                         f"{e}") from e
   except SyntaxError as e:
     token = str(e).split("Failed to parse token", 1)
     if len(token) == 2:

@@ -106,4 +106,4 @@ def _print_report(plans: Sequence[memory.MemoryPlan]) -> None:
 if __name__ == "__main__":
   _define_flags()
   errors.define_flags()
-  app.run(main)
+  app.run(main, flags_parser=errors.flags_parser("spec_decode.cli.memory"))

@@ -49,7 +49,7 @@ def main(argv: Sequence[str]) -> None:
 def run_command() -> None:
   gin_layer.define_flags("extra gin bindings, e.g. TrainConfig.num_steps=10")
   errors.define_flags()
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(gin_layer.rewrite_gin_args(argv)))
+  app.run(main, flags_parser=errors.flags_parser(PROGRAM, gin_layer.rewrite_gin_args))
 
 
 if __name__ == "__main__":

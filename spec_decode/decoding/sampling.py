@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_decode import configurable
 
@@ -35,6 +36,10 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
     if not (self.temperature >= 0.0) or self.temperature != self.temperature:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.temperature == float("inf"):  # every logit / inf ties: top_k would be ignored

@@ -143,10 +143,22 @@ def append_rows(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
   if not text:
     return
   fd = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-  with open(fd, "a", encoding="utf-8") as f:
+  with _naming(path), open(fd, "a", encoding="utf-8") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+  """An OSError of a write (a full disk: ENOSPC; a file-size limit: EFBIG) names `path`,
+  which the bare write error does not."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, path) from e
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -161,7 +173,7 @@ def write_text(path: str, text: str) -> None:
   directory, name = os.path.split(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
   try:
-    with open(fd, "w", encoding="utf-8") as f:
+    with _naming(path), open(fd, "w", encoding="utf-8") as f:
       f.write(text)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)

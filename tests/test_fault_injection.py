@@ -1,0 +1,119 @@
+"""Faults injected into whole runs of spec_decode.main (slow tier): a file-size limit that
+stops a run mid-way, a kill -9 after every row is written but before the results are, and
+SIGINT in the same place. Each ends in one line (or a killed process), and a rerun of the
+same command ends with predictions identical to an uninterrupted run's, none lost, none
+duplicated. Elsewhere: kill -9 / Ctrl-C after the first batch (test_main), a lost host
+(test_host_loss), NaN checkpoints (test_checkpoint_faults), an impossible batch and many
+compiled loops (test_footprint)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spec_decode import paths
+from spec_decode.cli import main
+from spec_decode.experiment import results
+
+pytestmark = pytest.mark.slow
+
+ROOT = paths.REPO_ROOT
+TOY = "configs/toy_random.gin"
+BINDINGS = ["NUM_EXAMPLES = 8", "BATCH_SIZE = 2", "ExperimentConfig.step_timing_repeats = 2"]
+CLI = [sys.executable, "-m", "spec_decode.main", "--noprogress", f"--gin_file={TOY}",
+       "--gin.NUM_EXAMPLES=8", "--gin.BATCH_SIZE=2",
+       "--gin.ExperimentConfig.step_timing_repeats=2"]
+
+
+def _rows(out):
+  with open(os.path.join(out, results.PREDICTIONS)) as f:
+    return [json.loads(line) for line in f]
+
+
+def _decoded(out):
+  """{index: {decoder: tokens}}: what the rows decoded (timings differ between runs)."""
+  return {r["index"]: {name: d["tokens"] for name, d in r["decoders"].items()}
+          for r in _rows(out)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("reference"))
+  main.run([TOY], BINDINGS, out, show_progress=False)
+  return out
+
+
+def _resume_and_check(out, reference):
+  summary = main.run([TOY], BINDINGS, out, show_progress=False)
+  assert summary["completed"] == 8
+  indices = [r["index"] for r in _rows(out)]
+  assert sorted(indices) == list(range(8))  # none lost, none duplicated
+  assert _decoded(out) == _decoded(reference)
+  for name in (results.RESULTS, results.TABLE_ROW):
+    assert os.path.exists(os.path.join(out, name))
+
+
+def test_a_file_size_limit_mid_run_is_one_line_and_the_rerun_completes(tmp_path, reference):
+  """RLIMIT_FSIZE below the predictions of the second batch: the write fails (Python
+  ignores SIGXFSZ, so the kernel returns EFBIG), the run ends with one line naming the
+  file, and a rerun without the limit resumes from the saved rows."""
+  first_batch = sum(len(json.dumps(r)) + 1 for r in _rows(reference)[:2])
+  state = max(os.path.getsize(os.path.join(reference, f)) for f in os.listdir(reference)
+              if f not in (results.PREDICTIONS, results.RESULTS, results.TABLE_ROW))
+  limit = max(first_batch + first_batch // 2, state + 1)
+  assert limit < 4 * first_batch, "state files larger than two batches of rows"
+  out = str(tmp_path / "fsize")
+
+  capped = [sys.executable, "-c",  # the limit set in the child itself (no fork of this one)
+            f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, "
+            f"{limit})); sys.argv[0] = 'spec_decode.main'; "
+            "runpy.run_module('spec_decode.main', run_name='__main__')"]
+  proc = subprocess.run(capped + CLI[3:] + [f"--output_dir={out}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=400)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert len(lines) == 1 and "File too large" in lines[0], proc.stderr[-3000:]
+  assert results.PREDICTIONS in lines[0]
+  with open(os.path.join(out, results.PREDICTIONS), "rb") as f:
+    saved = sum(1 for line in f.read().split(b"\n")[:-1])  # whole lines only
+  assert 1 <= saved < 8
+  _resume_and_check(out, reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill_9", "ctrl_c"])
+def test_a_signal_after_the_last_row_before_the_results(tmp_path, reference, sig):
+  """The signal lands once every row is written and results.json is not yet (the step
+  costs are being measured or the summary written): the rerun decodes nothing, keeps every
+  row and writes the results."""
+  out = str(tmp_path / "late")
+  # many timed step-cost repeats: the window between the last row and the results is long
+  proc = subprocess.Popen(CLI + [f"--output_dir={out}",
+                                 "--gin.ExperimentConfig.step_timing_repeats=400"],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  path = os.path.join(out, results.PREDICTIONS)
+  deadline = time.time() + 400
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.exists(path) and len(open(path).read().splitlines()) == 8:
+        break
+      time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert not os.path.exists(os.path.join(out, results.RESULTS))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  if sig == signal.SIGINT:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert lines[-1] == (f"spec_decode.main: interrupted: 8 examples are saved in {path}; "
+                         "rerun the same command to resume from them")
+  else:
+    assert proc.returncode == -signal.SIGKILL
+  assert not os.path.exists(os.path.join(out, results.RESULTS))
+  _resume_and_check(out, reference)
