@@ -88,6 +88,12 @@ def test_a_decode_that_cannot_fit_is_refused_with_the_largest_batch_and_gamma(pa
                                                         "fits is 3"):
     footprint.check_fits(algo, target, draft, batch=20, input_len=8, draft_input_len=8,
                          max_decode_len=16, devices=jax.devices()[:1], free=free)
+  one_row = (size(1) - 1, "test memory")  # nothing fits at max_decode_len 16: a shorter one
+  with pytest.raises(footprint.DecodeMemoryError, match="not even one row fits; at batch 1 "
+                                                        "the largest max_decode_len that fits "
+                                                        "is 1[0-5]"):
+    footprint.check_fits(algo, target, draft, batch=20, input_len=8, draft_input_len=8,
+                         max_decode_len=16, devices=jax.devices()[:1], free=one_row)
   fitting = footprint.check_fits(algo, target, draft, batch=1, input_len=8, draft_input_len=8,
                                  max_decode_len=16, devices=jax.devices()[:1], free=free)
   assert fitting.total == size(1)

@@ -207,8 +207,12 @@ def check_fits(algorithm, target, draft, *, batch: int, input_len: int,
 
   hints = []
   rows = _largest(lambda b: fits(batch=b), batch)
-  hints.append(f"the largest batch that fits is {rows}" if rows else
-               "not even one row fits")
+  if rows:
+    hints.append(f"the largest batch that fits is {rows}")
+  else:
+    length = _largest(lambda n: n >= 1 and fits(batch=1, max_decode_len=n), max_decode_len)
+    hints.append("not even one row fits" + (
+        f"; at batch 1 the largest max_decode_len that fits is {length}" if length else ""))
   gamma = getattr(algorithm, "gamma", None)
   if isinstance(gamma, int) and gamma > 1 and dataclasses.is_dataclass(algorithm):
     g = _largest(lambda k: k >= 1 and fits(gamma=k), gamma)
