@@ -448,26 +448,28 @@ def test_lookup_ceiling():
 
 @pytest.mark.slow
 def test_draft_free_tiny(out):
-  paths = draft_free.main(["--scale", "tiny", "--temperatures", "0,1", "--num_examples", "2",
+  # temperature 0 only (the driver passes the temperature through; the drafters' sampling
+  # is checked exactly in test_draft_free): half the driver's runs, each a compile
+  paths = draft_free.main(["--scale", "tiny", "--temperatures", "0", "--num_examples", "2",
                            "--repeats", "1", "--cost_repeats", "2", "--bigram_examples", "20",
                            "--results_dir", out["results"]])
   res = _json(paths["json"])
   rows = res["rows"]
   names = ["lookup", "lookup, <= 2 after a 1-gram", "layer skip 1", "layer skip 2",
            "lookup, else layer skip 1", "bigram table", "small draft"]
-  assert [r["decoder"] for r in rows] == names * 2
-  assert [r["temperature"] for r in rows] == [0.0] * 7 + [1.0] * 7
+  assert [r["decoder"] for r in rows] == names
+  assert [r["temperature"] for r in rows] == [0.0] * 7
   for r in rows:
     assert r["tokens_per_call"] >= 1 and r["c"] > 0 and r["speedup"] > 0
     assert r["speedup_fastest"] > 0 and r["predicted"] > 0
     assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small"}.get(
         r["decoder"], "none")
-    assert r["identical_fraction"] == (1.0 if r["temperature"] == 0 else None)
+    assert r["identical_fraction"] == 1.0  # greedy: every decoder equals the baseline
   # the lookup proposes no more than its cap after a single-token match; the chains always gamma
   assert rows[1]["drafted_per_call"] <= rows[0]["drafted_per_call"]
   assert all(r["drafted_per_call"] == 4 for r in rows if r["decoder"].startswith("layer"))
   assert set(res["lookup_ceiling"]["toy_reverse"]) == {"1", "8"}
-  for t in ("0", "1"):
+  for t in ("0",):
     best = res["best_layer_skip_depth"][f"toy_reverse_t{t}"]
     skips = [r for r in rows if r["decoder"].startswith("layer skip")
              and r["temperature"] == float(t)]
