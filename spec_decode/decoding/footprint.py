@@ -153,8 +153,9 @@ def host_free_bytes() -> tuple[int, str] | None:
 
 
 def device_free_bytes(devices) -> tuple[int, str] | None:
-  """(the least free bytes over `devices`, which device kind), or None when unknown."""
-  devices = list(devices)
+  """(the least free bytes over this process's `devices`, which device kind), or None when
+  unknown (another host's devices report nothing here; each host checks its own)."""
+  devices = [d for d in devices if d.process_index == jax.process_index()]
   if not devices:
     return None
   if all(d.platform == "cpu" for d in devices):
