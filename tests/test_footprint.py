@@ -7,8 +7,6 @@ makes room among the process's memory maps (`footprint.before_compile`); target 
 holding NaN/Inf are counted per row (`nonfinite_calls`) and reported by the experiment's
 summary. The command line turns XLA's and Python's out-of-memory errors into one line."""
 
-import mmap
-import os
 import subprocess
 import sys
 import textwrap
