@@ -238,16 +238,21 @@ def exit_host_lost(line: str, error: BaseException | None = None) -> None:
   """
   _exiting.acquire()  # a second caller (the other path to the same loss) waits for the exit
   try:
-    for write in (sys.stdout.flush,
-                  (lambda: traceback.print_exception(error, file=sys.stderr)) if error else None,
-                  lambda: sys.stderr.write(line.rstrip("\n") + "\n"), sys.stderr.flush):
-      try:
-        if write is not None:
-          write()
-      except Exception:  # a closed stream: the exit matters more than the words
-        pass
+    _quietly(sys.stdout.flush)
+    if error is not None:
+      _quietly(lambda: traceback.print_exception(error, file=sys.stderr))
+    _quietly(lambda: sys.stderr.write(line.rstrip("\n") + "\n"))
+    _quietly(sys.stderr.flush)
   finally:
     os._exit(EXIT_HOST_LOST)
+
+
+def _quietly(write: Callable[[], Any]) -> None:
+  """write(), ignoring a closed stream: the exit matters more than the words."""
+  try:
+    write()
+  except Exception:
+    pass
 
 
 def _default_line(lost: list[int] | None) -> str:

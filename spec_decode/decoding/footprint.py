@@ -253,7 +253,11 @@ def release_executables_if_crowded(fraction: float = 0.5) -> bool:
   ("LLVM ERROR: Unable to allocate section memory", or a segmentation fault).
   Dropping the caches only costs recompiling what is used again.
   """
-  use = memory_map_use()
+  return _release_if_crowded(memory_map_use(), fraction)
+
+
+def _release_if_crowded(use: tuple[int, int] | None, fraction: float = 0.5) -> bool:
+  """`release_executables_if_crowded` from a reading of `memory_map_use` already made."""
   if use is None or use[0] <= fraction * use[1]:
     return False
   logging.info("releasing compiled executables: %d of %d memory maps in use", *use)
@@ -281,8 +285,9 @@ def before_compile(key, check) -> None:
   calls with a key already seen cost one set lookup."""
   if key in _SEEN:
     return
-  release_executables_if_crowded()
-  use = memory_map_use()
+  use = memory_map_use()  # one read of the map table (~60k lines when crowded) unless released
+  if _release_if_crowded(use):
+    use = memory_map_use()
   if use is not None and use[1] - use[0] < MAP_HEADROOM:
     raise MemoryMapsExhausted(
         f"this process maps {use[0]} of the {use[1]} memory regions Linux allows it "
