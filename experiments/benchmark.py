@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -138,34 +139,36 @@ def _engine(args, res, e2e, verify, model_row, target, tparams, draft, dparams,
                                          e2e["autoregressive"]["call_iterations"])
   sp_fit = measure.fixed_and_per_iteration(net("speculative", ("target", "draft")),
                                          e2e["speculative"]["call_iterations"])
-  if ar_fit is None or sp_fit is None:
-    return None
   model_calls = args.gamma * res["draft_step"]["median"] + verify
-  loop_work = sp_fit["per_iteration"] - model_calls
-  loop_ar = ar_fit["per_iteration"] * e2e["autoregressive"]["iterations"]
-  loop_sp = sp_fit["per_iteration"] * e2e["speculative"]["iterations"]
-  cost_model = model_row.get("cost_model")
-  loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
   mean_setup = {r: float(np.mean(v)) for r, v in per_call.items()}
   bound = measure.model_work_speedup(
       target_setup=per_call["target"], draft_setup=per_call["draft"],
       target_step=res["target_step"]["median"],
       ar_iterations=e2e["autoregressive"]["call_iterations"], spec_iteration=model_calls,
       spec_iterations=e2e["speculative"]["call_iterations"])
-  return {
+  out = {
       "fit_autoregressive": ar_fit, "fit_speculative": sp_fit,
       "setup_seconds_mean": mean_setup,
       "setup_seconds_by_shape": {r: {str(k): v for k, v in d.items()} for r, d in setup.items()},
       "model_calls_per_iteration": model_calls,
+      "model_work_speedup": bound,
+      "model_work_efficiency": e2e["speedup"] / bound if e2e["speedup"] else None}
+  if ar_fit is None or sp_fit is None:
+    return out  # (the bound needs no fit: calls of one iteration count, e.g. random weights)
+  loop_work = sp_fit["per_iteration"] - model_calls
+  loop_ar = ar_fit["per_iteration"] * e2e["autoregressive"]["iterations"]
+  loop_sp = sp_fit["per_iteration"] * e2e["speculative"]["iterations"]
+  cost_model = model_row.get("cost_model")
+  loop_speedup = loop_ar / loop_sp if loop_sp > 0 else None
+  return {
+      **out,
       "loop_work": loop_work, "loop_work_over_verify": loop_work / verify,
       "ar_loop_work": ar_fit["per_iteration"] - res["target_step"]["median"],
       "fixed_ar": ar_fit["fixed"], "fixed_spec": sp_fit["fixed"],
       "fixed_excess": sp_fit["fixed"] - ar_fit["fixed"],
       "loop_speedup": loop_speedup,
       "loop_efficiency": loop_speedup / cost_model if loop_speedup and cost_model else None,
-      "efficiency": e2e["speedup"] / cost_model if e2e["speedup"] and cost_model else None,
-      "model_work_speedup": bound,
-      "model_work_efficiency": e2e["speedup"] / bound if e2e["speedup"] else None}
+      "efficiency": e2e["speedup"] / cost_model if e2e["speedup"] and cost_model else None}
 
 
 def _roofline(args, target, step, t_p: float) -> dict[str, Any]:
@@ -206,12 +209,18 @@ def measure_costs(args, models, mesh) -> dict[str, Any]:
           "target_loop": costs["target_loop"]}
 
 
+def _progress(line: str) -> None:
+  """A measured figure as soon as it is known (stderr), so a run cut short keeps it."""
+  print(f"[benchmark] {line}", file=sys.stderr, flush=True)
+
+
 def run_benchmark(args) -> dict[str, Any]:
   from spec_decode import partitioning, theory
   mesh = partitioning.make_mesh(args.mesh) if args.mesh else None
   tspec = harness.model_spec(args.target, config=args.target_config, dtype=args.dtype, seed=0,
                              vocab_size=args.vocab_size, role="target")
-  dspec = harness.model_spec(args.draft, config=args.draft_config, dtype=args.dtype, seed=1,
+  dspec = harness.model_spec(args.draft, config=args.draft_config, dtype=args.dtype,
+                             seed=args.draft_seed,
                              vocab_size=args.vocab_size, role="draft")
   models = harness.load_models(tspec, {"draft": dspec}, mesh=mesh)
   target, tparams = models.target, models.target_params
@@ -219,6 +228,9 @@ def run_benchmark(args) -> dict[str, Any]:
   inputs = _inputs(args, target.vocab_size)
   pc = measure_costs(args, models, mesh)
   c = pc["c"]
+  _progress(f"T_p {pc['target_step']['median'] * 1e3:.3f} ms, T_q "
+            f"{pc['draft_step']['median'] * 1e3:.3f} ms, c {c:.4f}; T_verify(gamma+1)/T_p: "
+            + ", ".join(f"{g}: {r:.3f}" for g, r in pc["verify_ratio"].items()))
   result: dict[str, Any] = {
       "target": tspec.to_json(), "draft": dspec.to_json(),
       "target_params": int(sum(x.size for x in jax.tree.leaves(tparams))),
@@ -227,6 +239,10 @@ def run_benchmark(args) -> dict[str, Any]:
       "c_rounds": pc["c_rounds"], "marginal_step_costs": True}
   e2e = _e2e(args, models, inputs, mesh) if args.e2e else None
   result["e2e"] = e2e
+  if e2e is not None:
+    _progress(f"autoregressive {e2e['autoregressive']['tokens_per_second']:.1f} tokens/s, "
+              f"speculative {e2e['speculative']['tokens_per_second']:.1f} tokens/s, "
+              f"speedup {e2e['speedup']:.3f}X, alpha {e2e['alpha']:.3f}")
   alpha = None if e2e is None or math.isnan(e2e["alpha"]) else e2e["alpha"]
   if alpha is not None:
     e2e["expected_tokens"] = float(theory.expected_tokens(alpha, args.gamma))
@@ -325,6 +341,17 @@ def _engine_md(e) -> list[str]:
             "loop's iterations do not cost alike, or the calls ran too few distinct iteration "
             "counts to separate them)"]
   ar, sp = g["fit_autoregressive"], g["fit_speculative"]
+  bound_line = (
+      f"  - decoders that spent time only on model work (both models' set-up per call, T_p per "
+      f"autoregressive step, gamma T_q + T_verify per speculative iteration, at the "
+      f"iterations the calls ran; no fixed cost, no loop work): "
+      f"{fmt(g.get('model_work_speedup'), 2, 'X')}; measured: "
+      f"**{fmt(g.get('model_work_efficiency'), 2)} of it** (what the engine loses; the rest of "
+      f"the gap to the cost model is the encoders' set-up and the iterations' partial "
+      f"acceptance near the end of a sequence, which no engine removes)")
+  if ar is None or sp is None:
+    return ["- engine split (fixed cost per call, cost per iteration): n/a (every call ran the "
+            "same number of iterations, so the fit cannot separate them)", bound_line]
   return [
       "- engine split (each call's seconds minus the models' set-up, timed per input shape, "
       "fitted as fixed + per iteration x iterations by least squares; residual rms "
@@ -342,13 +369,7 @@ def _engine_md(e) -> list[str]:
       f"  - the loops alone (per-iteration cost x iterations, no fixed costs): "
       f"{fmt(g['loop_speedup'], 2, 'X')}, **{fmt(g['loop_efficiency'], 2)} of the cost "
       f"model**; end to end: **{fmt(g['efficiency'], 2)} of the cost model** (goal >= 0.9)",
-      f"  - decoders that spent time only on model work (both models' set-up per call, T_p per "
-      f"autoregressive step, gamma T_q + T_verify per speculative iteration, at the "
-      f"iterations the calls ran; no fixed cost, no loop work): "
-      f"{fmt(g.get('model_work_speedup'), 2, 'X')}; measured: "
-      f"**{fmt(g.get('model_work_efficiency'), 2)} of it** (what the engine loses; the rest of "
-      f"the gap to the cost model is the encoders' set-up and the iterations' partial "
-      f"acceptance near the end of a sequence, which no engine removes)"]
+      bound_line]
 
 
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,6 +434,9 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--roofline", default="auto", choices=("auto", "on", "off"))
   p.add_argument("--copy_mib", type=int, default=512)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--draft_seed", type=int, default=1,
+                 help="random init of a preset draft; the target's (0) with --draft equal to "
+                 "--target makes the draft a copy of the target (alpha 1 at temperature 0)")
   p.add_argument("--name", default=None, help="output stem benchmark_<name> (default from models)")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))

@@ -8,7 +8,7 @@ costs about one step (the paper's premise: a memory-bound target reads its
 weights once either way). On a CPU a small target's weights sit in cache and
 its steps are compute-bound, so t(N) grows with N. This experiment measures,
 for targets from the demo target to the T5.1.1-base shape (random weights,
-float32, the demo vocabulary unless --vocab_size says otherwise), T_p (one
+float32 unless --dtype says otherwise, the demo vocabulary unless --vocab_size does), T_p (one
 token) and t(N) with marginal step costs (`timing.step_time`: the cost of one
 more decode inside a jitted loop, cache filled to --position), under the
 project's XLA options for decoding loops (`spec_decode.compile_options`) with
@@ -44,7 +44,7 @@ def measure(args) -> list[dict[str, Any]]:
     option_sets.append(("xla defaults, XLA dots", {}, False))
   rows = []
   for text in args.models:
-    spec = harness.model_spec(text, vocab_size=args.vocab_size)
+    spec = harness.model_spec(text, vocab_size=args.vocab_size, dtype=args.dtype)
     models = harness.load_models(spec)
     model, params = models.target, models.target_params
     leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -77,6 +77,8 @@ def parse_args(argv: Sequence[str]):
                  help="comma list: demo:<name> or a T5 preset (random weights)")
   p.add_argument("--vocab_size", type=int, default=DEMO_VOCAB,
                  help="vocabulary of preset models (default: the demo models')")
+  p.add_argument("--dtype", default=None,
+                 help="parameter dtype, e.g. bfloat16 (default: float32 for presets)")
   p.add_argument("--tokens", default="1,2,3,4,5,6,8,12,16", help="N values (1 is added)")
   p.add_argument("--input_length", type=int, default=32)
   p.add_argument("--position", type=int, default=24, help="cache entries already filled")
@@ -105,7 +107,7 @@ def run(args, meta) -> harness.Output:
           Column("t_p_ms", "T_p", lambda v: f"{v:.3f} ms")]
   cols += [Column(f"t{n}", f"t({n})", lambda v: fmt(v, 2)) for n in args.tokens if n > 1]
   table = [dict(r, **{f"t{n}": r["ratios"][str(n)] for n in args.tokens}) for r in rows]
-  notes = [f"random-weight T5 targets (float32; presets with vocabulary {args.vocab_size}), "
+  notes = [f"random-weight T5 targets ({args.dtype or 'float32'}; presets with vocabulary {args.vocab_size}), "
            f"batch 1, encoder input {args.input_length} tokens, cache filled to "
            f"{args.position}; marginal step costs, median of {args.repeats} rounds.",
            "t(N) = T_verify(N) / T_p: the cost of scoring N new tokens in one call, in "

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The engine at T5-XXL shapes on one lent GPU (issue 35), in one call of the device tool:
+#
+#   bash experiments/gpu_engine.sh COMMIT
+#
+# run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
+# here needs gin or seqio). COMMIT names the checkout in the result files (the copy sent to
+# the machine has no git history). Steps run in order of priority, each under its own time
+# limit, so a slow compile cuts a step short rather than the call; each step's log keeps
+# the figures it printed before it was stopped. Everything (the experiments' .md/.csv/.json
+# and the logs) is packed into $OUT/gpu_results.tgz after every step; the last lines of
+# each log are printed. Random bfloat16 weights: step costs are real, alpha is not.
+set -u
+COMMIT=${1:-unknown}
+OUT=${OUT:-/tmp/gpu_out}
+RES=/tmp/gpu_results
+mkdir -p "$OUT" "$RES"
+export SPEC_DECODE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+XXL=(--target t5_1_1_xxl --dtype bfloat16 --input_length 512 --decode_len 128 --copy_mib 4096)
+
+pack() { tar czf "$OUT/gpu_results.tgz" -C "$RES" . ; }
+
+step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $RES/NAME.log, prints its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $* (limit ${limit} s)"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$RES/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc $rc after $((SECONDS - t0)) s"
+  grep -E '^\[benchmark\]|^t5_1_1|^\| |Error|error:|T_p|T_q|roofline|speedup|model work' \
+    "$RES/$name.log" | grep -v '^|---' | cut -c1-400 | tail -n 24
+  pack
+  return $rc
+}
+
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import jax, flax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, \
+'numpy', numpy.__version__, jax.devices())"
+} 2>&1 | tee "$RES/env.log"
+
+# 1. Batch 1, the small draft: T_p against the memory roofline, T_q, c, T_verify(N)/T_p for
+#    N = 2..11, end to end and the engine's model-work bound.
+step xxl_small_b1 230 $PY -m experiments.benchmark "${XXL[@]}" --draft t5_1_1_small \
+  --batch_size 1 --gammas 1,2,3,4,5,7,10 --num_examples 4 --e2e_repeats 2 --repeats 5 \
+  --inner 2 --name gpu_xxl_small_b1 --results_dir "$RES"
+rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 130 ]; then
+  echo "=== the first step failed (not a time limit): stopping"; tail -n 40 "$RES/xxl_small_b1.log"
+  exit 1
+fi
+
+# 2. T_verify(N)/T_p for N = 16 .. 1024 (batch 1, cache filled to 64).
+step xxl_verify_n 110 $PY -m experiments.verify_scaling --models t5_1_1_xxl --dtype bfloat16 \
+  --vocab_size 32128 --input_length 512 --position 64 --tokens 16,64,256,1024 --repeats 3 \
+  --results_dir "$RES/verify_n"
+
+# 3. The drafts' single-token steps: T5.1.1-small / base / large shapes (c = T_q / T_p).
+step drafts 60 $PY -m experiments.verify_scaling \
+  --models t5_1_1_small,t5_1_1_base,t5_1_1_large --dtype bfloat16 --vocab_size 32128 \
+  --input_length 512 --position 64 --tokens 5 --repeats 3 --results_dir "$RES/drafts"
+
+# 4. Batch 8 and 32, the small draft: T_p and T_verify(N)/T_p (no end-to-end run).
+for b in 8 32; do
+  step "xxl_small_b$b" 75 $PY -m experiments.benchmark "${XXL[@]}" --draft t5_1_1_small \
+    --batch_size "$b" --gammas 1,3,4,7 --no_e2e --repeats 3 --inner 2 \
+    --name "gpu_xxl_small_b$b" --results_dir "$RES"
+done
+date -u +%FT%TZ
