@@ -4,12 +4,15 @@
 #   bash experiments/gpu_engine.sh COMMIT
 #
 # run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
-# here needs gin or seqio). COMMIT names the checkout in the result files (the copy sent to
-# the machine has no git history). Steps run in order of priority, each under its own time
+# here needs gin or seqio). COMMIT names the checkout in the result files: the git history
+# on that machine need not be the tree's (one run there reported an older commit). Steps run in order of priority, each under its own time
 # limit, so a slow compile cuts a step short rather than the call; each step's log keeps
 # the figures it printed before it was stopped. Everything (the experiments' .md/.csv/.json
 # and the logs) is packed into $OUT/gpu_results.tgz after every step; the last lines of
 # each log are printed. Random bfloat16 weights: step costs are real, alpha is not.
+# On an H200 (2026-11-26) the steps took 159, 80, over 64 and about 90 + 90 s (compiles of
+# the 24-layer XXL loops dominate): about 9 minutes, inside one call's 600 s.
+# `python -m experiments.gpu_report --dir DIR` turns the unpacked results into DIR/README.md.
 set -u
 COMMIT=${1:-unknown}
 OUT=${OUT:-/tmp/gpu_out}
@@ -58,14 +61,14 @@ step xxl_verify_n 110 $PY -m experiments.verify_scaling --models t5_1_1_xxl --dt
   --results_dir "$RES/verify_n"
 
 # 3. The drafts' single-token steps: T5.1.1-small / base / large shapes (c = T_q / T_p).
-step drafts 60 $PY -m experiments.verify_scaling \
+step drafts 100 $PY -m experiments.verify_scaling \
   --models t5_1_1_small,t5_1_1_base,t5_1_1_large --dtype bfloat16 --vocab_size 32128 \
   --input_length 512 --position 64 --tokens 5 --repeats 3 --results_dir "$RES/drafts"
 
 # 4. Batch 8 and 32, the small draft: T_p and T_verify(N)/T_p (no end-to-end run).
 for b in 8 32; do
-  step "xxl_small_b$b" 75 $PY -m experiments.benchmark "${XXL[@]}" --draft t5_1_1_small \
-    --batch_size "$b" --gammas 1,3,4,7 --no_e2e --repeats 3 --inner 2 \
+  step "xxl_small_b$b" 140 $PY -m experiments.benchmark "${XXL[@]}" --draft t5_1_1_small \
+    --batch_size "$b" --gammas 3,7 --no_e2e --repeats 3 --inner 2 \
     --name "gpu_xxl_small_b$b" --results_dir "$RES"
 done
 date -u +%FT%TZ

@@ -55,14 +55,16 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
-  """The checkout's short commit; where there is no git history (a copy of the tree sent to
-  another machine), SPEC_DECODE_COMMIT names it."""
+  """SPEC_DECODE_COMMIT when set (a copy of the tree sent to another machine, whose git
+  history, if any, is not the tree's), else the checkout's short commit."""
+  if os.environ.get("SPEC_DECODE_COMMIT"):
+    return os.environ["SPEC_DECODE_COMMIT"]
   try:
     out = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True, timeout=10, check=True)
   except (OSError, subprocess.SubprocessError):
-    return os.environ.get("SPEC_DECODE_COMMIT") or None
-  return out.stdout.strip() or os.environ.get("SPEC_DECODE_COMMIT") or None
+    return None
+  return out.stdout.strip() or None
 
 
 def machine() -> dict[str, Any]:

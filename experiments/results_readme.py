@@ -27,16 +27,13 @@ ORDER = ("table_1", "table_2", "table_3", "table_4", "table_5", "ablate_", "batc
 
 # What this CPU-only environment cannot measure, and the command that does.
 NOT_MEASURED = (
-    ("step costs, c, verify cost and memory roofline of T5-XXL / T5-small on one GPU",
-     "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_small --dtype bfloat16 "
-     "--batch_size 1 --input_length 512 --decode_len 128 --name gpu_xxl_small"),
-    ("the same with a T5-base draft",
+    ("end to end with a T5-base draft (its step alone is in gpu_h200/)",
      "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_base --dtype bfloat16 "
      "--batch_size 1 --input_length 512 --decode_len 128 --name gpu_xxl_base"),
     ("the same with a T5-large draft",
      "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_large --dtype bfloat16 "
      "--batch_size 1 --input_length 512 --decode_len 128 --name gpu_xxl_large"),
-    ("GPU batch scaling of step costs (B = 1, 4, 16, 64)",
+    ("GPU batch scaling of step costs at B = 4, 16, 64 (1, 8, 32: gpu_h200/)",
      "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_small --dtype bfloat16 "
      "--batch_size B --input_length 512 --decode_len 128 --name gpu_xxl_small_bB"),
     ("step costs on a TPU slice with model parallelism",
@@ -55,8 +52,9 @@ NOT_MEASURED = (
 
 def _not_measured() -> str:
   rows = "".join(f"| {what} | `{cmd}` |\n" for what, cmd in NOT_MEASURED)
-  return ("### Not measured here\n\nThis environment has CPUs only and no T5.1.1 checkpoints; "
-          "these commands make the missing measurements (GPU rows: not measured).\n\n"
+  return ("### Not measured here\n\nThe development machines have CPUs only (a GPU is lent to some "
+          "sessions) and no T5.1.1 checkpoints; "
+          "these commands make the missing measurements.\n\n"
           "| what | command |\n|---|---|\n" + rows)
 
 
@@ -105,6 +103,12 @@ def build(results_dir: str) -> str:
     parts.append(_section(stem, doc, rel))
   if os.path.exists(os.path.join(results_dir, "memory_xxl.md")):
     parts.append(f"### Memory plan of T5-XXL decoding\n\nSee `{rel}/memory_xxl.md`.\n")
+  for report in sorted(glob.glob(os.path.join(results_dir, "gpu_*", "README.md"))):
+    where = os.path.relpath(report, harness.REPO_ROOT)
+    with open(report, encoding="utf-8") as f:
+      title = f.readline().lstrip("# ").strip()
+    parts.append(f"### {title}\n\nSee `{where}` (`experiments/gpu_engine.sh` on a lent GPU, "
+                 "`python -m experiments.gpu_report` from its results).\n")
   parts.append(_not_measured())
   return "\n".join(parts)
 

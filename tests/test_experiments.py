@@ -529,3 +529,36 @@ def test_demo_quality_scores_the_shipped_models(out, tmp_path):
   assert doc["meta"]["command"].startswith("python -m experiments.demo_quality --tasks ende")
   with pytest.raises(SystemExit):
     demo_quality.main(["--tasks", "fr"])
+
+
+# ------------------------------------------------------------------ GPU report
+def test_gpu_report_computes_from_the_result_files(tmp_path):
+  """gpu_report on a copy of the shipped H200 results: every figure is the files' own (the
+  roofline fraction, t(N)), the drafts' steps come from verify_scaling's printed lines, and
+  the Table 2 rows are Thm 3.8 / the cost model at the measured c and t(gamma + 1)."""
+  import shutil
+  from experiments import gpu_report
+  src = os.path.join(setups.REPO_ROOT, "experiments", "results", "gpu_h200")
+  d = tmp_path / "gpu"
+  shutil.copytree(src, d, ignore=shutil.ignore_patterns("README.md"))
+  (d / "drafts.log").write_text(
+      "noise\nt5_1_1_base (random) (247.6M, project): T_p 0.500 ms, t(1) 1.00, t(5) 0.75\n")
+  text = open(gpu_report.main(["--dir", str(d)])).read()
+  b1 = json.load(open(d / "benchmark_gpu_xxl_small_b1.json"))["summary"]
+  assert f"**{b1['roofline']['roofline_fraction']:.3f}**" in text
+  t_p, t_q = b1["target_step"]["median"], b1["draft_step"]["median"]
+  ratio = {r["gamma"]: r["verify_ratio"] for r in json.load(
+      open(d / "benchmark_gpu_xxl_small_b1.json"))["rows"]}
+  rows = {(r[0], r[1], r[2], r[3]): r for r in _rows_of(text.split("## Table 2")[1])}
+  small = rows[("ende", "T5-small", "0", "7")]
+  c = t_q / t_p
+  assert small[6] == f"{c:.3f}" and small[7] == f"{ratio[7]:.3f}"
+  assert small[9] == f"{theory.walltime_improvement(0.75, 7, c):.2f}X"
+  assert small[10] == f"{theory.expected_tokens(0.75, 7) / (7 * c + ratio[7]):.2f}X"
+  base = rows[("ende", "T5-base", "0", "7")]
+  assert base[6] == f"{0.5e-3 / t_p:.3f}"  # from the log line, not the shipped log
+  assert rows[("ende", "T5-large", "0", "7")][9] == "n/a"  # no large step measured
+  assert gpu_report.draft_steps(str(d / "missing.log")) == {}
+  os.remove(d / "benchmark_gpu_xxl_small_b1.json")
+  with pytest.raises(FileNotFoundError, match="b1.json"):
+    gpu_report.report(str(d), "cmd")
