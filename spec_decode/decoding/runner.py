@@ -37,9 +37,14 @@ def row_keys(rng: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
   """[B] keys, one per row, each a function of (rng, row id, step) only.
 
   A row's randomness therefore never depends on its batch position or on its
-  neighbours; pass the same `row_ids` to decode a row alone and in a batch.
+  neighbours; pass the same `row_ids` to decode a row alone and in a batch. step: a
+  scalar, or [B], each row's own step (the decoders pass the row's own count of loop
+  iterations, so a row that enters a loop late, `refilling_loop`, draws what it would draw
+  alone).
   """
-  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(row_ids)
+  steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), jnp.shape(row_ids))
+  return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(row_ids,
+                                                                                  steps)
 
 
 def nonfinite_rows(logits: jax.Array) -> jax.Array:
@@ -88,7 +93,37 @@ class Algorithm:
     raise NotImplementedError(f"{type(self).__name__} declares no counters")
 
   def decode(self, ctx: "LoopContext") -> DecodeResult:
+    """The whole decode inside jit; by default `compacting_loop` over `loop_parts`."""
+    parts = self.loop_parts(ctx)
+    return parts.finish(compacting_loop(
+        parts.ctx, parts.init, rows_of=parts.rows_of, with_rows=parts.with_rows,
+        result_of=parts.result_of, done_of=parts.done_of, make_body=parts.make_body,
+        cond=parts.cond, compact=self.compact_batch))
+
+  def loop_parts(self, ctx: "LoopContext") -> "LoopParts":
+    """The loop's pieces for the rows of `ctx` (see `LoopParts`)."""
     raise NotImplementedError(f"{type(self).__name__} has no loop")
+
+  def check_refill(self) -> None:
+    """Raises ValueError when this algorithm cannot run under `refilling_loop`."""
+    if type(self).loop_parts is Algorithm.loop_parts:
+      raise ValueError(f"{type(self).__name__} does not describe its loop (loop_parts), so it "
+                       "cannot refill its batch")
+    if self.compact_batch:
+      raise ValueError("refill_batch and compact_batch=True exclude each other (refilling "
+                       "keeps the batch full)")
+    pending = [self.drafter]
+    while pending:  # the drafter and any drafter it wraps (a fallback, a base)
+      drafter = pending.pop()
+      if drafter is None:
+        continue
+      if not drafter.refillable:
+        raise ValueError(f"{type(drafter).__name__} branches on the loop's shared iteration "
+                         "count, so its batch cannot be refilled (refill_batch); decode in "
+                         "batches")
+      if dataclasses.is_dataclass(drafter):
+        pending += [getattr(drafter, f.name) for f in dataclasses.fields(drafter)
+                    if hasattr(getattr(drafter, f.name), "refillable")]
 
   def cost_model(self, *, alpha: float, draft_cost: float, verify_ratio: float,
                  counters=None) -> dict[str, Any] | None:
@@ -188,6 +223,158 @@ def take_rows(tree, rows: jax.Array):
   return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopParts:
+  """An algorithm's loop in pieces, for `compacting_loop` and `refilling_loop`.
+
+  ctx: the context the loop runs in (the algorithm may have added to it, e.g. the
+  target's encoder output); init: the loop state at its batch; rows_of(state) -> its
+  per-row part (every leaf batch first), with_rows(state, part) -> state with that part;
+  result_of(state) -> the per-row results (batch first); done_of(state) -> [B] bool;
+  make_body(ctx) -> the loop body for a context's rows; cond(state) -> an extra loop
+  condition or None; finish(results) -> the DecodeResult of result_of's values.
+  """
+  ctx: Any
+  init: Any
+  rows_of: Any
+  with_rows: Any
+  result_of: Any
+  done_of: Any
+  make_body: Any
+  finish: Any
+  cond: Any = None
+
+
+# LoopContext fields that hold one entry per batch row, and move with a row.
+_ROW_FIELDS = ("encoder_tokens", "draft_encoder_tokens", "row_ids", "target_encoded")
+
+
+def _check_batch_first(tree, B: int, what: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if leaf.ndim < 1 or leaf.shape[0] != B:
+      raise ValueError(f"{what} needs every per-row loop state leaf batch first; "
+                       f"{jax.tree_util.keystr(path)} has shape {leaf.shape} at batch {B}")
+
+
+def chunk_rows(n: int, batch_size: int) -> np.ndarray:
+  """[C, batch_size] the rows of a refilling loop's chunks: chunk c holds rows
+  c * batch_size .. c * batch_size + batch_size - 1, the last one padded with row n - 1."""
+  C = -(-n // batch_size)
+  return np.minimum(np.arange(C * batch_size).reshape(C, batch_size), n - 1).astype(np.int32)
+
+
+def chunk_packing_index(model, tokens, batch_size: int) -> np.ndarray | None:
+  """[C, P]: `base.packing_index` of each chunk of concrete tokens [N, S] (`chunk_rows`),
+  padded to one P (a power of two) so every chunk's encode is one compiled shape; None
+  when the model does not encode packed or packing would save nothing in some chunk."""
+  if tokens is None or not getattr(model, "supports_packed_encoding", False) \
+      or isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "is_fully_addressable", True):
+    return None
+  tokens = np.asarray(tokens)
+  flats = [np.flatnonzero(tokens[rows].reshape(-1) != base.PAD_ID)
+           for rows in chunk_rows(tokens.shape[0], batch_size)]
+  size = batch_size * tokens.shape[1]
+  P = max(8, 1 << max(max(f.size for f in flats) - 1, 0).bit_length())
+  if P >= size:
+    return None
+  return np.stack([np.concatenate([f, np.full(P - f.size, size)]) for f in flats]).astype(
+      np.int32)
+
+
+def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
+  """Decodes every row of `pool` (N examples) in a loop of `batch_size` slots, inside one jit:
+  when a slot's row finishes, its results are written out at the row's index and the next
+  example takes the slot inside the loop, so the batch stays full until the examples run
+  out instead of computing finished rows until its slowest one is done.
+
+  The entering rows are prepared a chunk at a time (`chunk_rows`): the loop state of the
+  next batch_size examples (their encoder outputs, caches and drafter states, the
+  encoders run packed with the chunk's `pool.packed_index` row where the pool has one) is
+  built in one call and waits beside the slots; a finished slot takes the next of its
+  rows, and the chunk after it is built when it is used up. So encoding costs what it
+  costs in plain batches, and between two finishes the loop runs the algorithm's own
+  body with no branch.
+
+  A row's keys come from (rng, its row id, its own loop step) and rows never mix, so each
+  row's output is what decoding it alone gives (greedy and sampled alike). parts_of(ctx)
+  -> the algorithm's `LoopParts` for a context's rows. Returns finish(results at [N]).
+  """
+  N = pool.batch_size
+  B = min(batch_size, N)
+  chunks = jnp.asarray(chunk_rows(N, B))
+  packed = pool.packed_index, pool.draft_packed_index
+
+  def prepare(c):
+    """LoopParts of chunk c's rows (c clipped to the last chunk)."""
+    c = jnp.minimum(c, chunks.shape[0] - 1)
+    ctx = pool.take_rows(chunks[c])
+    return parts_of(dataclasses.replace(
+        ctx, packed_index=None if packed[0] is None else packed[0][c],
+        draft_packed_index=None if packed[1] is None else packed[1][c]))
+
+  parts = prepare(0)
+  ctx0, state = parts.ctx, parts.init
+  _check_batch_first(parts.rows_of(state), B, "refilling a batch")
+  fields = [f for f in _ROW_FIELDS if getattr(ctx0, f) is not None]
+  row_arrays = lambda ctx: {f: _unpacked(getattr(ctx, f)) for f in fields}
+  waiting = lambda p: (parts.rows_of(p.init), row_arrays(p.ctx))
+  outs = jax.tree.map(lambda x: jnp.zeros((N,) + x.shape[1:], x.dtype), parts.result_of(state))
+
+  def slot_ctx(rows):
+    return dataclasses.replace(ctx0, packed_index=None, draft_packed_index=None, **rows)
+
+  def phase(carry):
+    """One chunk of entering rows: built, then given to slots as their rows finish, until
+    it is used up (or, with no example left, until every slot is retired)."""
+    state, rows, slot, nxt, outs = carry
+    wait = waiting(prepare(nxt // B))
+    limit = jnp.minimum((nxt // B + 1) * B, N)  # rows nxt .. limit - 1 wait in this chunk
+    can_settle = lambda nxt: (nxt < limit) | (nxt >= N)
+
+    def settle_one(c):
+      """The first finished slot: its results out, then the next waiting row into it or,
+      with no example left, the slot retired (-1)."""
+      state, rows, slot, nxt, outs, pending = c
+      r = jnp.argmax(pending)
+      outs = jax.tree.map(lambda o, v: o.at[slot[r]].set(v[r]), outs, parts.result_of(state))
+      more = nxt < N
+      k = nxt % B
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(more, n[k], o[r]), new, old)
+      state = parts.with_rows(state, jax.tree.map(
+          lambda f, v: f.at[r].set(v), parts.rows_of(state),
+          keep(wait[0], parts.rows_of(state))))
+      rows = jax.tree.map(lambda f, v: f.at[r].set(v), rows, keep(wait[1], rows))
+      slot = slot.at[r].set(jnp.where(more, nxt, -1))
+      return state, rows, slot, nxt + more.astype(jnp.int32), outs, pending.at[r].set(False)
+
+    def segment(c):
+      """Decode until a live slot's row finishes (a plain while loop over the algorithm's
+      body, no branch per iteration), then settle finished slots while rows wait."""
+      state, rows, slot, nxt, outs = c
+      live = slot >= 0
+      state = jax.lax.while_loop(lambda s: ~jnp.any(parts.done_of(s) & live),
+                                 parts.make_body(slot_ctx(rows)), state)
+      pending = parts.done_of(state) & live
+      c = jax.lax.while_loop(lambda c: jnp.any(c[-1]) & can_settle(c[3]), settle_one,
+                             (state, rows, slot, nxt, outs, pending))
+      return c[:-1]
+
+    return jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0) & can_settle(c[3]), segment,
+                              (state, rows, slot, nxt, outs))
+
+  carry = (state, row_arrays(ctx0), jnp.arange(B, dtype=jnp.int32), jnp.int32(B), outs)
+  carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0), phase, carry)
+  return parts.finish(carry[4])
+
+
+def _unpacked(x):
+  """A row field as the slots keep it: an encoder output without its packing index (the
+  positions of the chunk it was built in)."""
+  if getattr(x, "packed_index", None) is not None:
+    return x.replace(packed_index=None)
+  return x
+
+
 def compaction_sizes(batch_size: int) -> tuple[int, ...]:
   """The batch sizes a compacting loop runs at: B, then halved (rounded up) down to 1."""
   sizes = [batch_size]
@@ -223,10 +410,7 @@ def compacting_loop(ctx: LoopContext, state, *, rows_of, with_rows, result_of, d
   if ctx.mesh is not None:
     raise ValueError("batch compaction applies to unsharded runs only (mesh=None)")
   B = ctx.batch_size
-  for path, leaf in jax.tree_util.tree_leaves_with_path(rows_of(state)):
-    if leaf.ndim < 1 or leaf.shape[0] != B:
-      raise ValueError(f"batch compaction needs every per-row loop state leaf batch first; "
-                       f"{jax.tree_util.keystr(path)} has shape {leaf.shape} at batch {B}")
+  _check_batch_first(rows_of(state), B, "batch compaction")
   sizes = compaction_sizes(B)
   final = result_of(state)
   rows = jnp.arange(B)
@@ -340,17 +524,19 @@ def check_params_fit(role: str, model, params) -> None:
 
 def _impl(target_params, draft_params, encoder_tokens, draft_encoder_tokens, rng, row_ids,
           packed=(None, None), *, algorithm, target, draft, max_decode_len, sampling, mesh=None,
-          rules=None, draft_rules=None) -> DecodeResult:
+          rules=None, draft_rules=None, refill_batch=None) -> DecodeResult:
   ctx = LoopContext(target=target, target_params=target_params, draft=draft,
                     draft_params=draft_params, encoder_tokens=encoder_tokens,
                     draft_encoder_tokens=draft_encoder_tokens, rng=rng, row_ids=row_ids,
                     max_decode_len=max_decode_len, sampling=sampling, mesh=mesh, rules=rules,
                     draft_rules=draft_rules, packed_index=packed[0],
                     draft_packed_index=packed[1])
+  if refill_batch is not None:
+    return refilling_loop(ctx, refill_batch, algorithm.loop_parts)
   return algorithm.decode(ctx)
 
 
-_STATIC = ("algorithm", "target", "draft", "max_decode_len", "sampling")
+_STATIC = ("algorithm", "target", "draft", "max_decode_len", "sampling", "refill_batch")
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,7 +614,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
         draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
         sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
         draft_rules=None, compiler_options=None, trim_inputs: bool = True,
-        pack_inputs: bool = True) -> DecodeResult:
+        pack_inputs: bool = True, refill_batch: int | None = None) -> DecodeResult:
   """Decodes `encoder_tokens` [B, S] with `algorithm`; see `decoding.autoregressive`.
 
   draft / draft_params: the drafter model when the algorithm needs one, with
@@ -446,6 +632,15 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   are encoded packed, the encoders' projections and MLPs running on the real tokens only
   (`base.packing_index`, rounded up to a power of two; a batch of 8 inputs of 6-23 tokens
   padded to 32 encodes ~128 positions instead of 256); the same states, less work.
+
+  refill_batch (unsharded runs): decode all B rows of `encoder_tokens` (a dataset) in a loop
+  of refill_batch slots, each finished row's slot taken by the next row inside the loop
+  (`refilling_loop`): the slots stay busy instead of a batch waiting for its slowest row.
+  Each row's output is what decoding it alone with the same row id gives; results come
+  back for all B rows in their order. Entering rows are encoded refill_batch at a time
+  (packed as pack_inputs says), and wait beside the slots: the loop holds the state of
+  2 x refill_batch rows. Not with compact_batch, nor with drafters that are not
+  `refillable`.
   """
   if not isinstance(algorithm, Algorithm):
     raise ValueError(f"algorithm must be a decoding Algorithm (e.g. decoding.Speculative(gamma="
@@ -481,6 +676,13 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   if mesh is not None and algorithm.compact_batch:
     raise ValueError(f"{type(algorithm).__name__}(compact_batch=True) runs unsharded only "
                      "(mesh=None)")
+  if refill_batch is not None:
+    if not is_int(refill_batch) or refill_batch < 1:
+      raise ValueError(f"refill_batch must be a positive int, got {refill_batch!r}")
+    if mesh is not None:
+      raise ValueError("refill_batch runs unsharded only (mesh=None)")
+    algorithm.check_refill()
+    refill_batch = min(int(refill_batch), encoder_tokens.shape[0])
   if mesh is not None:  # the sharded path lays out device arrays (or global ones) as given
     encoder_tokens, draft_encoder_tokens = (
         None if t is None else jnp.asarray(t, jnp.int32)
@@ -491,18 +693,23 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
       args = (*args[:2], trim_padding(encoder_tokens), trim_padding(draft_encoder_tokens),
               *args[4:])
     packed = (None, None)
-    if pack_inputs:
+    if pack_inputs and refill_batch is not None:  # one index per chunk of entering rows
+      packed = (chunk_packing_index(target, args[2], refill_batch),
+                chunk_packing_index(draft, args[3], refill_batch))
+    elif pack_inputs:
       packed = (pack_index(target, args[2]), pack_index(draft, args[3]))
     options = compile_options.resolve(compiler_options)
-    _before_compile(algorithm, target, draft, max_decode_len, sampling, args[2], args[3],
-                    (options, tuple(None if i is None else i.shape for i in packed)),
+    slots = lambda t: t if t is None or refill_batch is None else t[:2 * refill_batch]
+    _before_compile(algorithm, target, draft, max_decode_len, sampling, slots(args[2]),
+                    slots(args[3]), (options, tuple(None if i is None else i.shape
+                                                    for i in packed), refill_batch),
                     jax.devices()[:1])
     # Weights laid out for this backend's decoding kernels (packed once per tree).
     args = (base.decoding_params(target, target_params),
             base.decoding_params(draft, draft_params), *args[2:])
     return _unsharded_jit(options)(
         *args, packed, algorithm=algorithm, target=target, draft=draft,
-        max_decode_len=max_decode_len, sampling=sampling)
+        max_decode_len=max_decode_len, sampling=sampling, refill_batch=refill_batch)
   _before_compile(algorithm, target, draft, max_decode_len, sampling, encoder_tokens,
                   draft_encoder_tokens, (mesh, rules, draft_rules), mesh.devices.flat)
   fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,

@@ -47,7 +47,7 @@ class Autoregressive(runner.Algorithm):
     return DecodeStats.zeros(batch_size, target_calls=((), jnp.int32),
                              nonfinite_calls=((), jnp.int32))
 
-  def decode(self, ctx: runner.LoopContext) -> DecodeResult:
+  def loop_parts(self, ctx: runner.LoopContext) -> runner.LoopParts:
     B, L = ctx.batch_size, ctx.max_decode_len
     init = _State(step=jnp.int32(0), last=jnp.full((B,), BOS_ID, jnp.int32),
                   tokens=jnp.zeros((B, L), jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
@@ -56,26 +56,30 @@ class Autoregressive(runner.Algorithm):
     init = init.replace(**ctx.constrain_batch(
         dict(last=init.last, tokens=init.tokens, lengths=init.lengths, done=init.done,
              stats=init.stats)))
-    tokens, lengths, stats = runner.compacting_loop(
-        ctx, init, rows_of=lambda s: s.replace(step=None),
+    return runner.LoopParts(
+        ctx=ctx, init=init, rows_of=lambda s: s.replace(step=None),
         with_rows=lambda s, part: part.replace(step=s.step),
         result_of=lambda s: (s.tokens, s.lengths, s.stats), done_of=lambda s: s.done,
-        make_body=self._body, cond=lambda s: s.step < L, compact=self.compact_batch)
-    return DecodeResult(tokens=tokens, lengths=lengths, stats=stats)
+        make_body=self._body, cond=lambda s: s.step < L,
+        finish=lambda r: DecodeResult(tokens=r[0], lengths=r[1], stats=r[2]))
 
   def _body(self, ctx: runner.LoopContext):
-    """The loop body for the rows of `ctx` (all of them, or those a compacting loop kept)."""
+    """The loop body for the rows of `ctx` (all of them, those a compacting loop kept, or a
+    refilling loop's slots). A row's step is its own count of target calls (its length),
+    so a row that entered the loop late draws and writes as it would alone."""
     L = ctx.max_decode_len
     model, params, sampling = ctx.target, ctx.target_params, ctx.sampling
 
     def body(s: _State) -> _State:
       out = model.decode(params, s.cache, s.last[:, None])
       cache = ctx.constrain_cache(out.cache, "target")
-      tok = next_token(ctx.keys(s.step), out.logits[:, 0], sampling)
+      tok = next_token(ctx.keys(s.stats.target_calls), out.logits[:, 0], sampling)
       active = ~s.done
       tok = jnp.where(active, tok, 0)
       lengths = s.lengths + active.astype(jnp.int32)
-      return _State(step=s.step + 1, last=tok, tokens=s.tokens.at[:, s.step].set(tok),
+      rows = jnp.arange(tok.shape[0])
+      at = jnp.where(active, s.lengths, L)  # finished rows write nothing (out of range)
+      return _State(step=s.step + 1, last=tok, tokens=s.tokens.at[rows, at].set(tok, mode="drop"),
                     lengths=lengths, done=s.done | (tok == EOS_ID) | (lengths >= L),
                     cache=cache, stats=s.stats.add(
                         target_calls=active,

@@ -151,7 +151,7 @@ class Speculative(runner.Algorithm):
             "optimal_gamma": (int(theory.optimal_gamma(alpha, draft_cost / self.gamma))
                               if chain else None)}
 
-  def decode(self, ctx: runner.LoopContext) -> DecodeResult:
+  def loop_parts(self, ctx: runner.LoopContext) -> runner.LoopParts:
     B, L = ctx.batch_size, ctx.max_decode_len
     ctx = ctx.with_target_encoded()  # the target cache and the drafter share one encoding
     room = self.cache_room(L)
@@ -161,22 +161,27 @@ class Speculative(runner.Algorithm):
                   draft=self.drafter.init(ctx, room), stats=self.init_stats(B))
     init = init.replace(**ctx.constrain_batch(
         dict(out=init.out, length=init.length, done=init.done, stats=init.stats)))
-    out, length, stats = runner.compacting_loop(
-        ctx, init, rows_of=lambda s: s.replace(it=None),
+
+    def finish(results):
+      out, length, stats = results
+      tokens = jnp.where(jnp.arange(L)[None, :] < length[:, None], out[:, :L], 0)
+      return DecodeResult(tokens=tokens, lengths=length, stats=stats)
+
+    return runner.LoopParts(
+        ctx=ctx, init=init, rows_of=lambda s: s.replace(it=None),
         with_rows=lambda s, part: part.replace(it=s.it),
         result_of=lambda s: (s.out, s.length, s.stats), done_of=lambda s: s.done,
-        make_body=self._body, compact=self.compact_batch)
-    tokens = jnp.where(jnp.arange(L)[None, :] < length[:, None], out[:, :L], 0)
-    return DecodeResult(tokens=tokens, lengths=length, stats=stats)
+        make_body=self._body, finish=finish)
 
   def _body(self, ctx: runner.LoopContext):
-    """The loop body for the rows of `ctx` (all of them, or those a compacting loop kept)."""
+    """The loop body for the rows of `ctx` (all of them, those a compacting loop kept, or a
+    refilling loop's slots)."""
     B, L, g = ctx.batch_size, ctx.max_decode_len, self.gamma
     K = self.max_proposal
     target, params, sampling = ctx.target, ctx.target_params, ctx.sampling
 
     def body(s: _State) -> _State:
-      keys = ctx.keys(s.it)
+      keys = ctx.keys(s.stats.target_calls)  # the row's own iteration (== it while active)
       split = jax.vmap(lambda k: jax.random.split(k, g + 2))(keys)  # [B, g + 2, key]
       draft_keys, accept_keys, correct_keys = split[:, :g], split[:, g], split[:, g + 1]
       m = s.length

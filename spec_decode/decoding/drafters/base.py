@@ -35,6 +35,9 @@ class Drafter:
   needs_draft_model: whether the decode call must be given a draft model (`ctx.draft`); a
   draft-free drafter (source lookup, the target's own layers) says False, and the
   speculative loop then runs with the target alone.
+  refillable: whether a row's drafter state is all per row (batch first), so a refilling
+  loop (`runner.refilling_loop`) can give a finished row's slot to the next example; a
+  drafter that branches on the loop's shared iteration count (`Committed.it`) says False.
   varies_length: whether a proposal's length often falls short of gamma (a lookup that
   matched nothing proposes none); the speculative loop then verifies only as many
   positions as the longest row proposed (`Speculative.trim_verify`), at the price of a
@@ -45,6 +48,7 @@ class Drafter:
   proposes_trees: ClassVar[bool] = False
   reports_confidence: ClassVar[bool] = False
   sibling_draws: ClassVar[str | None] = None
+  refillable: ClassVar[bool] = True
 
   def proposal_size(self, gamma: int) -> int:
     """K, the most tokens one proposal holds (a chain: gamma)."""

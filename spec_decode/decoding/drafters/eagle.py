@@ -85,6 +85,7 @@ class EagleState:
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   """Proposes a chain from an EAGLE head (the loop's draft model); see the module doc."""
+  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     if not isinstance(draft, FeatureHead):
@@ -155,6 +156,7 @@ class EagleDrafter(Drafter):
 class EagleTreeDrafter(TreeDrafter):
   """A best-first tree (`TreeDrafter`'s budget, width, expand, depth, steps) from an EAGLE
   head; see the module doc."""
+  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     EagleDrafter().check_models(target, draft)

@@ -89,6 +89,7 @@ def _tokens_at(committed: Committed, positions_BW):
 @dataclasses.dataclass(frozen=True)
 class MtpDrafter(Drafter):
   """Proposes gamma <= D tokens from D sequential MTP modules; see the module doc."""
+  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     if not isinstance(draft, MtpNetwork):

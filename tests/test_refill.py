@@ -1,0 +1,102 @@
+"""In-loop refill (`decoding.run(..., refill_batch=B)`, `runner.refilling_loop`): a dataset
+decoded in B slots, each finished row's slot taken by the next row inside the jitted loop.
+
+Oracles: every row's tokens, length and counters equal the plain batched decode's (greedy
+and sampled, both decoders, rows of different lengths so that slots refill at different
+iterations); a refilled row equals that row decoded alone with its row id (batch
+composition and entry time do not matter); the sampled sequence law with refilled rows
+passes the chi-square oracle (tests/exactness.py); bad settings are refused by name.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import exactness as ex
+from spec_decode import decoding
+from spec_decode.decoding.drafters.eagle import EagleDrafter
+from spec_decode.decoding.drafters.lookup import LookupDrafter
+
+N, S, L = 9, 7, 10
+GREEDY, SAMPLED = decoding.Sampling(), decoding.Sampling(temperature=1.0)
+ALGOS = {"autoregressive": decoding.Autoregressive(), "speculative": decoding.Speculative(gamma=3)}
+
+
+def _inputs():
+  rs = np.random.RandomState(3)
+  enc = rs.randint(2, 32, (N, S)).astype(np.int32)
+  enc[rs.rand(N, S) < 0.25] = 0  # padding here and there: rows of different lengths
+  return enc
+
+
+def _run(algo, enc, sampling, **kw):
+  target, tp, draft, dp = ex.t5_eos_pair()
+  extra = dict(draft=draft, draft_params=dp) if algo.needs_draft else {}
+  return decoding.run(algo, target, tp, enc, max_decode_len=L, sampling=sampling,
+                      rng=jax.random.PRNGKey(7), **extra, **kw)
+
+
+def _assert_same(a, b, rows=slice(None)):
+  np.testing.assert_array_equal(np.asarray(a.tokens)[rows], np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.lengths)[rows], np.asarray(b.lengths))
+  for name, value in b.stats.counters.items():
+    got, want = np.asarray(a.stats.counters[name])[rows], np.asarray(value)
+    if np.issubdtype(want.dtype, np.integer):
+      np.testing.assert_array_equal(got, want, err_msg=name)
+    else:  # a float sum's last bit may differ with the batch shape XLA reduces over
+      np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_refill_equals_batched_decode(name, sampling):
+  enc = _inputs()
+  plain = _run(ALGOS[name], enc, sampling)
+  lengths = np.asarray(plain.lengths)
+  assert len(set(lengths.tolist())) > 1, "rows must end at different lengths"
+  for slots in (1, 4):
+    _assert_same(_run(ALGOS[name], enc, sampling, refill_batch=slots), plain)
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_refilled_row_equals_the_row_alone(name):
+  """Row 6 enters slot-refilled (after rows of other lengths finished) and decodes what it
+  decodes alone under its own row id, sampled."""
+  enc = _inputs()
+  refilled = _run(ALGOS[name], enc, SAMPLED, refill_batch=2)
+  alone = _run(ALGOS[name], enc[6:7], SAMPLED, row_ids=np.array([6]))
+  _assert_same(refilled, alone, rows=slice(6, 7))
+
+
+def test_sequence_law_with_refilled_rows():
+  """Sampled with 64 slots over many rows of one input: every slot is refilled hundreds of
+  times, and the sequence law still matches the target's exactly."""
+  models, enc_all, max_len = ex.family("mk")
+  (target, tp), (draft, dp) = models["target"], models["far"]
+  rows = ex.rows(1 / 3)
+  enc = np.repeat(enc_all[:1], rows, axis=0)
+  result = decoding.run(decoding.Speculative(gamma=2), target, tp, enc, draft=draft,
+                        draft_params=dp, max_decode_len=max_len, sampling=SAMPLED,
+                        rng=jax.random.PRNGKey(0), row_ids=np.arange(rows), refill_batch=64)
+  from spec_decode.models import testing
+  fit = ex.fit("refill, mk far", [testing.sequences(result)], ex.target_laws("mk", 1, SAMPLED))
+  assert fit.p_value > ex.P_REJECT
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(refill_batch=0), "refill_batch must be a positive int"),
+    (dict(refill_batch=2.0), "refill_batch must be a positive int"),
+])
+def test_bad_refill_batch(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _run(ALGOS["autoregressive"], _inputs(), GREEDY, **kwargs)
+
+
+def test_refill_refuses_compaction_and_shared_iteration_drafters():
+  with pytest.raises(ValueError, match="exclude each other"):
+    _run(decoding.Autoregressive(compact_batch=True), _inputs(), GREEDY, refill_batch=2)
+  with pytest.raises(ValueError, match="EagleDrafter branches on the loop's shared"):
+    decoding.Speculative(drafter=EagleDrafter()).check_refill()
+  with pytest.raises(ValueError, match="EagleDrafter"):  # wrapped as a fallback
+    decoding.Speculative(drafter=LookupDrafter(fallback=EagleDrafter())).check_refill()
+  decoding.Speculative(drafter=LookupDrafter()).check_refill()  # per-row state: refillable
