@@ -580,3 +580,45 @@ def test_machine_line_names_the_cpu_the_weights_and_the_variants():
   assert report.machine_line(m) == ("CPU Some CPU (no listed features); decode kernel off: no "
                                     "compiler")
   assert report.machine_line({"backend": "gpu", "devices": "1 x H100"}) == "gpu: 1 x H100"
+
+
+@pytest.mark.slow
+def test_refill_run_matches_batches_and_resumes_exactly(tmp_path, greedy_run):
+  """ExperimentConfig.refill_chunk = 2: decode calls of 2 batches' worth of examples in
+  batch-size slots refilled inside the loop. Greedy outputs equal the batched run's; sampled,
+  a run interrupted after its first call resumes to the uninterrupted run's outputs."""
+  refill = ["ExperimentConfig.refill_chunk = 2"]
+  out = str(tmp_path / "refill")
+  summary = main.run([TOY], SMALL + refill + ["NUM_EXAMPLES = 6"], out, show_progress=False)
+  assert summary["completed"] == 6
+  assert _tokens_by_index(out) == _tokens_by_index(greedy_run[0])
+  assert len({r["batch"] for r in _rows(out)}) == 2  # calls of 4 examples: 4 + 2
+
+  bindings = SMALL + refill + ["NUM_EXAMPLES = 6", "TEMPERATURE = 1.0"]
+  full = str(tmp_path / "full")
+  main.run([TOY], bindings, full, show_progress=False)
+  config = gin_layer.parse_experiment([TOY], bindings)
+  part = str(tmp_path / "part")
+
+  def interrupt(b):
+    if b == 0:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run_experiment(config, output_dir=part, show_progress=False, on_batch=interrupt)
+  assert len(_rows(part)) == 4
+  experiment.run_experiment(config, output_dir=part, show_progress=False)
+  assert sorted(r["index"] for r in _rows(part)) == list(range(6))
+  assert _tokens_by_index(part) == _tokens_by_index(full)
+
+
+def test_refill_settings_are_checked():
+  spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
+  make = lambda **kw: experiment.ExperimentConfig(
+      target=spec, draft=None, task="toy_reverse", decoders={}, **kw)
+  with pytest.raises(ValueError, match="refill_chunk must be an int >= 0"):
+    make(refill_chunk=-1)
+  with pytest.raises(ValueError, match="refill_chunk applies to unsharded runs"):
+    make(refill_chunk=2, mesh="data=1")
+  with pytest.raises(ValueError, match="exclude each other"):
+    make(refill_chunk=2, baseline=decoding.Autoregressive(compact_batch=True))

@@ -106,7 +106,10 @@ class ExperimentConfig:
   devices. vocabulary: SentencePiece model for T5's tasks instead of gs://t5-data's;
   tfds_data_dir: where TFDS data is prepared. compiler_options: XLA options of every
   compiled decoding loop and step timer (unsharded runs); None: the backend's defaults
-  (`spec_decode.compile_options`), {}: XLA's own.
+  (`spec_decode.compile_options`), {}: XLA's own. refill_chunk: 0 decodes batch by batch,
+  each batch until its slowest row is done; k >= 1 gives each decode call k x batch_size
+  examples in batch_size slots, a finished row's slot taking the next example inside the
+  loop (`decoding.run(refill_batch=)`, unsharded runs); rows are written after each call.
   """
   target: ModelSpec
   draft: ModelSpec | None
@@ -130,6 +133,7 @@ class ExperimentConfig:
   vocabulary: str | None = None
   tfds_data_dir: str | None = None
   compiler_options: Mapping[str, Any] | None = None
+  refill_chunk: int = 0
 
   def __post_init__(self):
     if not isinstance(self.target, ModelSpec):
@@ -174,6 +178,18 @@ class ExperimentConfig:
       if compacting:
         raise ValueError(f"decoders {compacting} shrink their batch (compact_batch), which "
                          "applies to unsharded runs (mesh None)")
+    if not _is_int(self.refill_chunk) or self.refill_chunk < 0:
+      raise ValueError(f"ExperimentConfig.refill_chunk must be an int >= 0, got "
+                       f"{self.refill_chunk!r}")
+    if self.refill_chunk:
+      if self.mesh:
+        raise ValueError("ExperimentConfig.refill_chunk applies to unsharded runs (mesh None)")
+      for name, algo in self.algorithms.items():
+        try:
+          algo.check_refill()
+        except ValueError as e:
+          raise ValueError(f"decoders[{name!r}] cannot refill its batch (refill_chunk): "
+                           f"{e}") from None
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
     for name in ("batch_size", "timing_repeats", "step_timing_repeats"):

@@ -56,8 +56,9 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
     warmup = s.examples[:gc.warmup_examples]
     decode = setup.decode_fns(s)[gc.decoder]
     sums = np.zeros(4)
-    for i in range(0, len(warmup), cfg.batch_size):
-      batch = warmup[i:i + cfg.batch_size]
+    rows = setup.call_rows(s)
+    for i in range(0, len(warmup), rows):
+      batch = warmup[i:i + rows]
       stats = distributed.gather(decode(*setup.inputs(s, batch)).stats)
       n = len(batch)
       sums += [np.sum(stats.min_pq_sum[:n]), np.sum(stats.decisions[:n]),

@@ -66,7 +66,7 @@ def _decode_remaining(s: setup.Setup, todo: Sequence[data.Example], output_dir: 
   """
   cfg = s.config
   fns = setup.decode_fns(s)
-  B = cfg.batch_size
+  B = setup.call_rows(s)
   batches = [todo[i:i + B] for i in range(0, len(todo), B)]
   first_call = {name: timing.timed(lambda f=f: f(*setup.inputs(s, batches[0]))).median
                 for name, f in fns.items()}

@@ -115,6 +115,8 @@ def decode_fns(s: Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
     common.update(mesh=s.mesh, rules=cfg.rules)
   else:
     common.update(compiler_options=cfg.compiler_options)
+    if cfg.refill_chunk:
+      common.update(refill_batch=cfg.batch_size)
 
   def make(algorithm):
     drafts = dict(draft=s.draft, draft_params=s.draft_params) if algorithm.needs_draft else {}
@@ -123,11 +125,17 @@ def decode_fns(s: Setup) -> dict[str, Callable[[jax.Array, jax.Array], decoding.
   return {name: make(a) for name, a in cfg.algorithms.items()}
 
 
+def call_rows(s: Setup) -> int:
+  """Examples per decode call: the batch size, or with refill (`refill_chunk`) that many
+  batches' worth decoded in batch_size slots."""
+  return s.config.batch_size * max(s.config.refill_chunk, 1)
+
+
 def inputs(s: Setup, batch: Sequence[data.Example]) -> tuple[jax.Array, jax.Array]:
-  """A batch's encoder tokens [B, S] and row ids [B] (the example indices), padded to
-  the batch size by repeating the last example, laid out on the mesh when there is one."""
+  """A decode call's encoder tokens [B, S] and row ids [B] (the example indices), padded to
+  `call_rows` by repeating the last example, laid out on the mesh when there is one."""
   cfg = s.config
-  B = cfg.batch_size
+  B = call_rows(s)
   enc, ids = batching.example_batch(batch, batch_size=B,
                                     input_length=cfg.feature_lengths["inputs"])
   if s.mesh is None:
