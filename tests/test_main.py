@@ -219,6 +219,17 @@ def test_ctrl_c_ends_in_one_line_and_the_rerun_resumes(tmp_path):
           "run") in main.format_summary(summary)
 
 
+def _interrupt_after_call(config, out, call):
+  """Runs `config` into `out`, interrupted (KeyboardInterrupt) once decode call `call` has
+  written its rows."""
+  def interrupt(b):
+    if b == call:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run_experiment(config, output_dir=out, show_progress=False, on_batch=interrupt)
+
+
 @pytest.mark.slow
 def test_sampled_resume_is_exact(tmp_path):
   """Temperature 1: row randomness is keyed by example index, so a resumed run matches."""
@@ -229,13 +240,7 @@ def test_sampled_resume_is_exact(tmp_path):
       summary["experiment"]["decoders"]["speculative"]["gamma"]
   config = gin_layer.parse_experiment([TOY], bindings)
   part = str(tmp_path / "part")
-
-  def interrupt(b):
-    if b == 1:
-      raise KeyboardInterrupt
-
-  with pytest.raises(KeyboardInterrupt):
-    experiment.run_experiment(config, output_dir=part, show_progress=False, on_batch=interrupt)
+  _interrupt_after_call(config, part, 1)
   assert len(_rows(part)) == 4
   with open(os.path.join(part, results.PREDICTIONS), "a") as f:
     f.write('{"index": 4, "spec_tok')  # a write cut short by a kill
@@ -599,13 +604,7 @@ def test_refill_run_matches_batches_and_resumes_exactly(tmp_path, greedy_run):
   main.run([TOY], bindings, full, show_progress=False)
   config = gin_layer.parse_experiment([TOY], bindings)
   part = str(tmp_path / "part")
-
-  def interrupt(b):
-    if b == 0:
-      raise KeyboardInterrupt
-
-  with pytest.raises(KeyboardInterrupt):
-    experiment.run_experiment(config, output_dir=part, show_progress=False, on_batch=interrupt)
+  _interrupt_after_call(config, part, 0)
   assert len(_rows(part)) == 4
   experiment.run_experiment(config, output_dir=part, show_progress=False)
   assert sorted(r["index"] for r in _rows(part)) == list(range(6))

@@ -264,21 +264,18 @@ def chunk_rows(n: int, batch_size: int) -> np.ndarray:
 
 
 def chunk_packing_index(model, tokens, batch_size: int) -> np.ndarray | None:
-  """[C, P]: `base.packing_index` of each chunk of concrete tokens [N, S] (`chunk_rows`),
-  padded to one P (a power of two) so every chunk's encode is one compiled shape; None
-  when the model does not encode packed or packing would save nothing in some chunk."""
-  if tokens is None or not getattr(model, "supports_packed_encoding", False) \
-      or isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "is_fully_addressable", True):
+  """[C, P]: `pack_index` of each chunk of concrete tokens [N, S] (`chunk_rows`), padded
+  with the chunk's own sentinel to one P so every chunk's encode is one compiled shape;
+  None when the model does not encode packed or some chunk would not be packed."""
+  if tokens is None or isinstance(tokens, jax.core.Tracer) \
+      or not getattr(tokens, "is_fully_addressable", True):
     return None
   tokens = np.asarray(tokens)
-  flats = [np.flatnonzero(tokens[rows].reshape(-1) != base.PAD_ID)
-           for rows in chunk_rows(tokens.shape[0], batch_size)]
-  size = batch_size * tokens.shape[1]
-  P = max(8, 1 << max(max(f.size for f in flats) - 1, 0).bit_length())
-  if P >= size:
+  index = [pack_index(model, tokens[rows]) for rows in chunk_rows(len(tokens), batch_size)]
+  if any(i is None for i in index):
     return None
-  return np.stack([np.concatenate([f, np.full(P - f.size, size)]) for f in flats]).astype(
-      np.int32)
+  P, size = max(i.size for i in index), batch_size * tokens.shape[1]
+  return np.stack([np.pad(i, (0, P - i.size), constant_values=size) for i in index])
 
 
 def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
