@@ -359,12 +359,11 @@ def batches(inputs: np.ndarray, batch_size: int) -> tuple[list[tuple[Any, Any]],
 
 def setup_batches(s) -> tuple[list[tuple[Any, Any]], int]:
   """The batches of a loaded experiment (`experiment.Setup`): its examples in batches of its
-  batch size (with refill, of its decode calls' rows), row ids the example indices, as the
-  runner decodes them."""
+  batch size (the slots of a refilled run), row ids the example indices."""
   from spec_decode.experiment import setup as run_setup
-  examples, B = list(s.examples), run_setup.call_rows(s)
-  return [run_setup.inputs(s, examples[i:i + B]) for i in range(0, len(examples), B)], \
-      len(examples)
+  examples, B = list(s.examples), s.config.batch_size
+  return [run_setup.inputs(s, examples[i:i + B], rows=B)
+          for i in range(0, len(examples), B)], len(examples)
 
 
 # ------------------------------------------------------------------ decoding

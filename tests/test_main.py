@@ -611,6 +611,21 @@ def test_refill_run_matches_batches_and_resumes_exactly(tmp_path, greedy_run):
   assert _tokens_by_index(part) == _tokens_by_index(full)
 
 
+def test_refill_calls_hold_chunks_and_costs_are_measured_at_the_slot_batch():
+  """With refill_chunk 2 a decode call takes 2 batches' worth of examples, while step costs
+  and the drivers' per-batch inputs keep the slot batch (the loop's batch)."""
+  from experiments import harness
+  from spec_decode.experiment import setup as run_setup
+  config = gin_layer.parse_experiment([TOY], SMALL + ["NUM_EXAMPLES = 6",
+                                                      "ExperimentConfig.refill_chunk = 2"])
+  s = run_setup.load(config)
+  assert run_setup.call_rows(s) == 4
+  enc, ids = run_setup.inputs(s, s.examples[:3])
+  assert enc.shape[0] == 4 and list(np.asarray(ids)) == [0, 1, 2, 2]
+  batches, n = harness.setup_batches(s)
+  assert n == 6 and [b[0].shape[0] for b in batches] == [2, 2, 2]
+
+
 def test_refill_settings_are_checked():
   spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
   make = lambda **kw: experiment.ExperimentConfig(

@@ -83,9 +83,7 @@ def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=()) -> dic
   verify_ratio_by_tokens[n] for every n measured (see `step_costs`)."""
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
-  enc, _ = setup.inputs(s, batch)
-  if cfg.refill_chunk:  # a refilled call pads to refill_chunk batches; its loop runs at one
-    enc = enc[:cfg.batch_size]
+  enc, _ = setup.inputs(s, batch, rows=cfg.batch_size)  # a refilled loop runs at one batch
   algorithms = cfg.algorithms
   sizes = [a.max_proposal + 1 for a in algorithms.values() if a.max_proposal is not None]
   length = cfg.decode_len + max(sizes + list(verify_tokens), default=1)  # the loop's cache

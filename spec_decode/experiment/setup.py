@@ -95,13 +95,15 @@ def load(config: ExperimentConfig, *, status: Callable[[str], None] = lambda msg
 def check_memory(config: ExperimentConfig, examples, target, draft, mesh) -> None:
   """Refuses (`footprint.DecodeMemoryError`), before any batch is built, a configuration
   whose decodes cannot fit in the memory of the devices in use: every configured algorithm
-  at the batch size, with the longest input among the examples."""
+  at the batch size (with refill, twice it: the rows that wait to enter are held beside
+  the slots), with the longest input among the examples."""
   input_len = runner.length_bucket(max((len(ex.input_tokens) for ex in examples), default=1),
                                    config.feature_lengths["inputs"])
   devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
   for algorithm in config.algorithms.values():
     footprint.check_fits(algorithm, target, draft if algorithm.needs_draft else None,
-                         batch=config.batch_size, input_len=input_len,
+                         batch=config.batch_size * (2 if config.refill_chunk else 1),
+                         input_len=input_len,
                          draft_input_len=input_len, max_decode_len=config.decode_len,
                          devices=devices)
 
@@ -131,11 +133,13 @@ def call_rows(s: Setup) -> int:
   return s.config.batch_size * max(s.config.refill_chunk, 1)
 
 
-def inputs(s: Setup, batch: Sequence[data.Example]) -> tuple[jax.Array, jax.Array]:
+def inputs(s: Setup, batch: Sequence[data.Example], rows: int | None = None
+           ) -> tuple[jax.Array, jax.Array]:
   """A decode call's encoder tokens [B, S] and row ids [B] (the example indices), padded to
-  `call_rows` by repeating the last example, laid out on the mesh when there is one."""
+  `rows` (default `call_rows`) by repeating the last example, laid out on the mesh when
+  there is one."""
   cfg = s.config
-  B = call_rows(s)
+  B = call_rows(s) if rows is None else rows
   enc, ids = batching.example_batch(batch, batch_size=B,
                                     input_length=cfg.feature_lengths["inputs"])
   if s.mesh is None:
