@@ -107,9 +107,9 @@ def run(args, meta) -> harness.Output:
           Column("t_p_ms", "T_p", lambda v: f"{v:.3f} ms")]
   cols += [Column(f"t{n}", f"t({n})", lambda v: fmt(v, 2)) for n in args.tokens if n > 1]
   table = [dict(r, **{f"t{n}": r["ratios"][str(n)] for n in args.tokens}) for r in rows]
-  notes = [f"random-weight T5 targets ({args.dtype or 'float32'}; presets with vocabulary {args.vocab_size}), "
-           f"batch 1, encoder input {args.input_length} tokens, cache filled to "
-           f"{args.position}; marginal step costs, median of {args.repeats} rounds.",
+  notes = [f"random-weight T5 targets ({args.dtype or 'float32'}; presets with vocabulary "
+           f"{args.vocab_size}), batch 1, encoder input {args.input_length} tokens, cache "
+           f"filled to {args.position}; marginal step costs, median of {args.repeats} rounds.",
            "t(N) = T_verify(N) / T_p: the cost of scoring N new tokens in one call, in "
            "single-token steps. Speculative decoding with gamma = N - 1 needs "
            "E[tokens per call] > gamma c + t(N) to pay off."]
