@@ -18,6 +18,7 @@ Writes <results_dir>/refill_<name>.{md,csv,json}.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any, Sequence
 
 from experiments import harness, setups
@@ -60,7 +61,7 @@ def measure(args) -> list[dict[str, Any]]:
     row = {"batch": B}
     for (mode, name), t in times.items():
       st = harness.decode_stats(t.outputs, len(inputs), baseline=base)
-      seconds = sorted(t.seconds)[len(t.seconds) // 2]
+      seconds = statistics.median(t.seconds)
       key = f"{mode}_{name[:4]}"
       row[f"{key}_tps"] = st["tokens"] / seconds
       row[f"{key}_identical"] = st.get("identical")

@@ -320,11 +320,13 @@ def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
   def slot_ctx(rows):
     return dataclasses.replace(ctx0, packed_index=None, draft_packed_index=None, **rows)
 
-  def phase(carry):
+  def phase(carry, last=False):
     """One chunk of entering rows: built, then given to slots as their rows finish, until
-    it is used up (or, with no example left, until every slot is retired)."""
+    it is used up. last: no example is left, so no chunk is built and finished slots are
+    retired until none is live."""
     state, rows, slot, nxt, outs = carry
-    wait = waiting(prepare(nxt // B))
+    # the last phase's stand-in (never entered: every slot it settles is retired)
+    wait = (parts.rows_of(state), rows) if last else waiting(prepare(nxt // B))
     limit = jnp.minimum((nxt // B + 1) * B, N)  # rows nxt .. limit - 1 wait in this chunk
     can_settle = lambda nxt: (nxt < limit) | (nxt >= N)
 
@@ -360,7 +362,8 @@ def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
                               (state, rows, slot, nxt, outs))
 
   carry = (state, row_arrays(ctx0), jnp.arange(B, dtype=jnp.int32), jnp.int32(B), outs)
-  carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0), phase, carry)
+  carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0) & (c[3] < N), phase, carry)
+  carry = phase(carry, last=True)
   return parts.finish(carry[4])
 
 
