@@ -29,6 +29,7 @@ import sys
 from typing import Any, Sequence
 
 from experiments import paper_tables
+from experiments.harness import fmt
 
 PRESET = {"small": "t5_1_1_small", "base": "t5_1_1_base", "large": "t5_1_1_large"}
 DRAFT_LINE = re.compile(r"^(t5_1_1_\w+) \(random\) \(([\d.]+)M, [^)]*\): T_p ([\d.]+) ms")
@@ -58,12 +59,8 @@ def _ms(s: float | None, digits: int = 3) -> str:
   return "n/a" if s is None else f"{s * 1e3:.{digits}f} ms"
 
 
-def _x(v: float | None, digits: int = 2) -> str:
-  return "n/a" if v is None else f"{v:.{digits}f}X"
-
-
-def _f(v: float | None, digits: int = 3) -> str:
-  return "n/a" if v is None else f"{v:.{digits}f}"
+def _speed(v) -> str:
+  return fmt(v, 2, "X")
 
 
 def _source(name: str, res: dict[str, Any]) -> str:
@@ -89,8 +86,8 @@ def table2(b1: dict[str, Any], drafts: dict[str, float]) -> list[str]:
     r = ratios.get(g)
     model = (None if c is None or r is None else
              float(theory.expected_tokens(alpha, g)) / (g * c + r))
-    lines.append(f"| {task} | T5-{draft} | {temp} | {g} | {alpha} | {c_paper} | {_f(c)} | "
-                 f"{_f(r)} | {pred}X | {_x(thm)} | {_x(model)} | {speed}X |")
+    lines.append(f"| {task} | T5-{draft} | {temp} | {g} | {alpha} | {c_paper} | {fmt(c)} | "
+                 f"{fmt(r)} | {pred}X | {_speed(thm)} | {_speed(model)} | {speed}X |")
   return lines
 
 
@@ -132,8 +129,8 @@ def report(directory: str, command: str, note: str | None = None) -> str:
         f"| {b} | {_ms(s['target_step']['median'])} | "
         f"{rl.get('bytes_per_step', 0) / 1e9:.2f} GB | "
         f"{rl.get('copy_bandwidth_bytes_per_s', 0) / 1e12:.2f} TB/s | "
-        f"{_ms(rl.get('roofline_seconds'))} | **{_f(rl.get('roofline_fraction'))}** | "
-        f"{_ms(s['draft_step']['median'])} | {_f(s['c'])} |")
+        f"{_ms(rl.get('roofline_seconds'))} | **{fmt(rl.get('roofline_fraction'))}** | "
+        f"{_ms(s['draft_step']['median'])} | {fmt(s['c'])} |")
 
   out += ["", "## Verify cost t(N) = T_verify(N) / T_p", "",
           f"Goal: t(8) <= {GOALS['t8']} at batch 1.", ""]
@@ -143,9 +140,9 @@ def report(directory: str, command: str, note: str | None = None) -> str:
   out += ["| batch | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
   for b, (_, res) in sorted(batches.items()):
     got = {r["gamma"] + 1: r["verify_ratio"] for r in res["rows"]}
-    cells = [_f(got.get(n)) for n in ns]
+    cells = [fmt(got.get(n)) for n in ns]
     if b == 1 and scaling is not None:
-      cells += [_f(scaling["rows"][0]["ratios"][str(n)]) for n in big]
+      cells += [fmt(scaling["rows"][0]["ratios"][str(n)]) for n in big]
     else:
       cells += ["" for _ in big]
     out.append(f"| {b} | " + " | ".join(cells) + " |")
@@ -161,7 +158,7 @@ def report(directory: str, command: str, note: str | None = None) -> str:
   steps[s1["draft"]["preset"]] = s1["draft_step"]["median"]
   for preset in PRESET.values():
     q = steps.get(preset)
-    out.append(f"| {preset} | {_ms(q)} | {_f(None if q is None else q / t_p)} |")
+    out.append(f"| {preset} | {_ms(q)} | {fmt(None if q is None else q / t_p)} |")
   out += ["", "T5.1.1-small: the benchmark's draft step (its proposal loop / gamma); base and "
           "large: verify_scaling's T_p of that shape (vocabulary 32128, input 512); a shape "
           "the run did not reach is n/a."]
@@ -174,14 +171,14 @@ def report(directory: str, command: str, note: str | None = None) -> str:
     out += ["", "## End to end (batch 1, random draft)", "",
             f"- autoregressive {e['autoregressive']['tokens_per_second']:.1f} tokens/s, "
             f"speculative (gamma {b1['meta']['settings'].get('gamma')}) "
-            f"{e['speculative']['tokens_per_second']:.1f} tokens/s: {_x(e['speedup'])} at "
+            f"{e['speculative']['tokens_per_second']:.1f} tokens/s: {_speed(e['speedup'])} at "
             f"alpha {e['alpha']:.3f} (random weights: about one token per target call).",
             f"- loop overhead beyond the model calls: autoregressive "
             f"{_ms(e.get('ar_overhead_per_iteration'))} per token step "
-            f"({_f(e['ar_overhead_per_iteration'] / t_p)} of T_p); speculative "
+            f"({fmt(e['ar_overhead_per_iteration'] / t_p)} of T_p); speculative "
             f"{_ms(e.get('spec_overhead_per_iteration'))} per iteration.",
             f"- decoders spending time only on model work at the iterations these calls ran: "
-            f"{_x(g.get('model_work_speedup'))}; measured **{_f(g.get('model_work_efficiency'))} "
+            f"{_speed(g.get('model_work_speedup'))}; measured **{fmt(g.get('model_work_efficiency'))} "
             f"of it** (goal >= {GOALS['model_work']})."]
   return "\n".join(out) + "\n"
 
