@@ -323,6 +323,32 @@ def test_t5_kernel_weights(pack_small):
 
 
 @needs_kernel
+def test_model_spec_kernel_weights(pack_small, tmp_path):
+  """`ModelSpec.kernel_weights` reaches the loaded T5 (random or from a checkpoint), is
+  recorded in config.json only when set, and is refused where it could have no effect."""
+  from spec_decode import checkpoints
+  from spec_decode.experiment import model_specs
+  shape = dict(vocab_size=100, emb_dim=96, mlp_dim=200)
+  model, params = _mini()
+  path = str(tmp_path / "ckpt")
+  checkpoints.save(path, model.config, params, format="t5x")
+  wo = lambda p: p["decoder"]["layers_0"]["mlp"]["wo"]["kernel"]
+  for spec in (model_specs.ModelSpec(preset="t5_1_1_mini", config=shape, kernel_weights="int8"),
+               model_specs.ModelSpec(checkpoint=path, kernel_weights="int8")):
+    loaded, p = model_specs.load(spec, model_specs.LoadContext("target"))
+    assert loaded.kernel_weights == "int8" and wo(loaded.decode_params(p)).dtype == jnp.int8
+    assert spec.to_json()["kernel_weights"] == "int8"
+  plain, _ = model_specs.load(model_specs.ModelSpec(checkpoint=path),
+                              model_specs.LoadContext("target"))
+  assert plain.kernel_weights == "auto"
+  assert "kernel_weights" not in model_specs.ModelSpec(checkpoint=path).to_json()
+  with pytest.raises(ValueError, match="kernel_weights must be one of"):
+    model_specs.ModelSpec(checkpoint=path, kernel_weights="fp8")
+  with pytest.raises(ValueError, match="'ngram' model has no such weights"):
+    model_specs.ModelSpec(kind="ngram", kernel_weights="int8")
+
+
+@needs_kernel
 def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   monkeypatch.setenv(cpu_matmul.ENV_CACHE, str(tmp_path))
   monkeypatch.delenv(cpu_matmul.ENV_VARIANT, raising=False)  # conftest fixes it for the suite

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import spec_decode.heads  # noqa: F401  (every head network registers its checkpoint kind)
 from spec_decode import configurable
 from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.kernels import cpu_matmul
 from spec_decode.models import offload, t5
 from spec_decode.paths import resolve_checkpoint
 
@@ -51,6 +52,12 @@ class ModelSpec:
   offload: t5 only: keep the parameters in host memory and stream them to the
     device layer by layer inside each call (`models.offload`), for a model larger
     than device memory (recorded in config.json / results.json when set).
+  kernel_weights: t5 only: `T5.kernel_weights`, how the CPU decoding kernel stores the
+    weights it packs ('auto', 'float32', 'bfloat16', 'int8', 'bfloat16_dot'; the last
+    three change the model's function, 'bfloat16_dot' doubles the multiply-adds per
+    instruction for compute-bound batches on CPUs with AVX512-BF16). Every decoder of the
+    experiment uses the same model, so their comparison stays exact. Recorded when not
+    'auto'.
   """
   kind: str = "t5"
   checkpoint: str | None = None
@@ -63,6 +70,7 @@ class ModelSpec:
   allow_missing_chunks: bool = False
   allow_outside_paths: bool = False
   offload: bool = False
+  kernel_weights: str = "auto"
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or not self.kind:
@@ -89,6 +97,13 @@ class ModelSpec:
     if self.offload and self.kind != "t5":
       raise ValueError(f"ModelSpec.offload streams a T5's parameters from host memory; a "
                        f"{self.kind!r} model cannot be offloaded (use kind='t5')")
+    if self.kernel_weights not in cpu_matmul.WEIGHTS:
+      raise ValueError(f"ModelSpec.kernel_weights must be one of {cpu_matmul.WEIGHTS}, got "
+                       f"{self.kernel_weights!r}")
+    if self.kernel_weights != "auto" and self.kind != "t5":
+      raise ValueError(f"ModelSpec.kernel_weights sets how a T5's weights are packed for the "
+                       f"CPU decoding kernel; a {self.kind!r} model has no such weights "
+                       "(leave it 'auto')")
     object.__setattr__(self, "config", dict(self.config))
     object.__setattr__(self, "options", dict(self.options))
 
@@ -108,6 +123,8 @@ class ModelSpec:
     for name in ("allow_missing_chunks", "allow_outside_paths", "offload"):
       if not d[name]:
         del d[name]  # recorded only when set, so older runs' config.json still match
+    if d["kernel_weights"] == "auto":
+      del d["kernel_weights"]
     return d
 
 
@@ -217,8 +234,10 @@ def _load_t5(spec: ModelSpec, context: LoadContext) -> tuple[t5.T5, dict]:
 
 
 def _offloaded(spec: ModelSpec, model: t5.T5, params) -> tuple[t5.T5, dict]:
-  """(model, params) as loaded, or streamed from host memory when `spec.offload` (a
-  checkpoint is read there directly: `to_host` then copies nothing)."""
+  """(model, params) as loaded, with the spec's `kernel_weights`, and streamed from host
+  memory when `spec.offload` (a checkpoint is read there directly: `to_host` then copies
+  nothing)."""
+  model = dataclasses.replace(model, kernel_weights=spec.kernel_weights)
   if not spec.offload:
     return model, params
   return dataclasses.replace(model, stream_params=True), offload.to_host(params)
