@@ -34,6 +34,27 @@ from experiments.harness import Column, fmt
 DEFAULT_RUNS_DIR = "/tmp/spec_decode_batch_scaling"
 
 
+def _model_bindings(args) -> list[str]:
+  """gin bindings of --refill_chunk and --kernel_weights (the target's, and the draft's when
+  it is a T5)."""
+  out = []
+  if args.refill_chunk:
+    out.append(f"ExperimentConfig.refill_chunk = {args.refill_chunk}")
+  if args.kernel_weights != "auto":
+    out.append(f"target/ModelSpec.kernel_weights = '{args.kernel_weights}'")
+    if args.draft not in ("unigram", "bigram"):
+      out.append(f"draft/ModelSpec.kernel_weights = '{args.kernel_weights}'")
+  return out
+
+
+def _suffix(args) -> str:
+  """What tells this sweep's run directories and result files from the defaults'."""
+  return (("_compact" if args.compact_batch else "")
+          + (f"_refill{args.refill_chunk}" if args.refill_chunk else "")
+          + ("" if args.kernel_weights == "auto" else f"_{args.kernel_weights}")
+          + (f"_{args.name}" if args.name else ""))
+
+
 def sweep(args) -> list[dict[str, Any]]:
   from spec_decode import theory
   rows = []
@@ -46,10 +67,10 @@ def sweep(args) -> list[dict[str, Any]]:
         gamma=args.gamma, choose_gamma=args.gamma is None,  # chosen per batch size
         temperature=args.temperature, batch_size=B, num_examples=args.num_examples,
         step_timing_repeats=args.step_timing_repeats, timing_repeats=args.timing_repeats,
-        compact_batch=args.compact_batch or None), *args.gin_bindings)
+        compact_batch=args.compact_batch or None), *_model_bindings(args), *args.gin_bindings)
     run_dir = os.path.join(args.runs_dir, args.scale, f"{args.demo_target or args.task}_"
                            f"{args.draft}_t{args.temperature:g}_g{args.gamma or 'auto'}_b{B}"
-                           + ("_compact" if args.compact_batch else ""))
+                           + _suffix(args))
     print(f"batch {B} -> {run_dir}", flush=True)
     summary = setups.run(s, run_dir, show_progress=args.progress)
     # gamma 0: the gamma choice fell back to the autoregressive loop (GammaChoice
@@ -155,6 +176,15 @@ def parse_args(argv: Sequence[str]):
                  "<task>_<draft>=PATH")
   p.add_argument("--gin_bindings", action="append", default=[],
                  help="extra gin bindings for every run")
+  p.add_argument("--refill_chunk", type=int, default=0,
+                 help="decode refill_chunk batches' worth of examples per call in batch-size "
+                      "slots, each finished row's slot taken by the next example inside the "
+                      "loop (ExperimentConfig.refill_chunk), both decoders")
+  p.add_argument("--kernel_weights", default="auto",
+                 help="how the CPU kernel stores the target's (and a T5 draft's) weights "
+                      "(ModelSpec.kernel_weights), both decoders")
+  p.add_argument("--name", default="", help="suffix of the result files and run directories "
+                 "(runs with other --gin_bindings must not share them)")
   p.add_argument("--runs_dir", default=DEFAULT_RUNS_DIR)
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--progress", action="store_true")
@@ -171,12 +201,17 @@ def parse_args(argv: Sequence[str]):
       p.error(f"--gamma must be an int >= 1 or 'auto', got {args.gamma!r}")
     if args.gamma < 1:
       p.error("--gamma must be >= 1")
+  if args.refill_chunk < 0:
+    p.error(f"--refill_chunk must be >= 0, got {args.refill_chunk}")
+  if args.refill_chunk and args.compact_batch:
+    p.error("--refill_chunk and --compact_batch are two ways to fill finished rows' slots; "
+            "choose one")
   return args
 
 
 def run(args, meta) -> harness.Output:
   rows = sweep(args)
-  stem = (args.demo_target or args.task) + ("_compact" if args.compact_batch else "")
+  stem = (args.demo_target or args.task) + _suffix(args)
   x = lambda v: fmt(v, 2, "X")
   cols = [Column("batch_size", "batch"), Column("gamma", "gamma"),
           Column("alpha", "alpha", lambda v: fmt(v, 3)),
@@ -200,11 +235,18 @@ def run(args, meta) -> harness.Output:
            "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",
            f"T_p, T_q, c, T_verify/T_p: {args.repeats} interleaved rounds of {args.inner} calls "
            f"of {args.loop_steps} steps in one jitted loop, at that batch size (medians); "
-           "Thm 3.8 and the cost model use them with the run's alpha. Rows of a batch finish "
-           "at different lengths and a batch runs until its longest row is done, in both "
-           "decoders" + ("; both decoders shrink their batch as rows finish (compact_batch: "
-                         "halved whenever at most half its rows are active)."
-                         if args.compact_batch else ", computing every finished row.")]
+           "Thm 3.8 and the cost model use them with the run's alpha. " + (
+               f"Refill: each call decodes {args.refill_chunk} batches' worth of examples in "
+               "batch-size slots, a finished row's slot taken by the next example inside the "
+               "loop, in both decoders." if args.refill_chunk else
+               "Rows of a batch finish at different lengths and a batch runs until its "
+               "longest row is done, in both decoders" + (
+                   "; both decoders shrink their batch as rows finish (compact_batch: halved "
+                   "whenever at most half its rows are active)." if args.compact_batch
+                   else ", computing every finished row."))]
+  if args.kernel_weights != "auto":
+    notes.append(f"Both decoders' models pack their CPU kernel weights as "
+                 f"'{args.kernel_weights}' (ModelSpec.kernel_weights).")
   figures = []
   os.makedirs(args.results_dir, exist_ok=True)
   if args.plots:

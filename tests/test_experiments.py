@@ -361,18 +361,25 @@ def test_ablate_tiny(out, monkeypatch):
 def test_batch_scaling_tiny(out):
   paths = batch_scaling.main(["--scale", "tiny", "--batch_sizes", "1,2", "--num_examples", "2",
                               "--gamma", "7", "--temperature", "1", "--repeats", "2",
-                              "--inner", "1", "--results_dir", out["results"],
+                              "--inner", "1", "--refill_chunk", "2", "--kernel_weights",
+                              "float32", "--results_dir", out["results"],
                               "--runs_dir", out["runs"]])
+  assert paths["md"].endswith("batch_scaling_ende_refill2_float32.md")
   rows = _json(paths["json"])["rows"]
   assert [r["batch_size"] for r in rows] == [1, 2]
   assert all(r["examples"] == 2 and r["c"] > 0 for r in rows)
   for r in rows:
-    run = _json(os.path.join(out["runs"], "tiny", f"ende_small_t1_g7_b{r['batch_size']}",
-                             "results.json"))
+    run = _json(os.path.join(out["runs"], "tiny", f"ende_small_t1_g7_b{r['batch_size']}"
+                             "_refill2_float32", "results.json"))
     assert r["speedup"] == run["speedup_measured"]  # the run's own, not recomputed
+    assert run["experiment"]["refill_chunk"] == 2
+    assert (run["experiment"]["target"]["kernel_weights"]
+            == run["experiment"]["draft"]["kernel_weights"] == "float32")
     np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(r["alpha"], 7, r["c"]),
                                rtol=1e-6)
   assert [r[0] for r in _rows(paths["md"])] == ["1", "2"]
+  text = open(paths["md"]).read()
+  assert "Refill: each call decodes 2 batches' worth" in text and "'float32'" in text
 
 
 @pytest.mark.slow
