@@ -2,6 +2,7 @@ r"""Dataset throughput with in-loop refill against plain batches, both decoders.
 
   python -m experiments.refill                     # big EnDe pair, 64 examples, B = 1,4,8
   python -m experiments.refill --batch_sizes 8 --num_examples 200 --name ende_b8_200
+  python -m experiments.refill --batch_sizes 8 --gamma 6 --adaptive tuned --name ende_adaptive
 
 A plain batched decode runs each batch until its slowest row is done, computing the rows
 that finished (`compact_batch` shrinks such a batch, never refills it). With refill
@@ -27,6 +28,15 @@ from experiments.harness import Column, fmt
 MODES = ("plain", "compact", "refill")
 
 
+def _drafter(args):
+  """The speculative decoder's drafter: the draft model proposing gamma tokens, or with
+  --adaptive a per-row number of them up to gamma (`AdaptiveDrafter`, its rule)."""
+  from spec_decode import decoding
+  if args.adaptive == "none":
+    return decoding.ModelDrafter()
+  return decoding.AdaptiveDrafter(rule=args.adaptive)
+
+
 def measure(args) -> list[dict[str, Any]]:
   import jax
 
@@ -43,7 +53,8 @@ def measure(args) -> list[dict[str, Any]]:
     for mode in MODES:
       compact = mode == "compact"
       algos = {"autoregressive": decoding.Autoregressive(compact_batch=compact),
-               "speculative": decoding.Speculative(gamma=args.gamma, compact_batch=compact)}
+               "speculative": decoding.Speculative(gamma=args.gamma, compact_batch=compact,
+                                                   drafter=_drafter(args))}
       extra = {"refill_batch": B} if mode == "refill" else {}
       for name, algo in algos.items():
         fns[(mode, name)] = harness.decode_fn(
@@ -93,6 +104,11 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--num_examples", type=int, default=64)
   p.add_argument("--batch_sizes", default="1,4,8")
   p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--adaptive", default="none", choices=("none", "schedule", "threshold",
+                                                         "tuned"),
+                 help="per-row draft lengths up to --gamma (AdaptiveDrafter's rule), decided "
+                      "by each row from its own blocks, so rows at different depths (and "
+                      "refilled rows) draft differently")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds")
   p.add_argument("--seed", type=int, default=0)
@@ -120,7 +136,10 @@ def run(args, meta) -> harness.Output:
            Column("identical", "rows identical to plain AR", lambda v: fmt(v, 3))]
   notes = [f"{args.target} with {args.draft} on {args.task} (test), the first "
            f"{args.num_examples} examples, inputs {args.input_length} / outputs up to "
-           f"{args.decode_len} tokens, gamma {args.gamma}, temperature {args.temperature}; "
+           f"{args.decode_len} tokens, " + (
+               f"gamma {args.gamma}" if args.adaptive == "none" else
+               f"per-row draft lengths up to {args.gamma} (AdaptiveDrafter rule "
+               f"{args.adaptive!r})") + f", temperature {args.temperature}; "
            f"tokens/s over the whole dataset, median of {args.repeats} rounds, the two "
            "decoders interleaved within a round, modes one after the other.",
            "plain: batches of B, each until its slowest row is done; compact: the same "

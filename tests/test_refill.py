@@ -2,9 +2,10 @@
 decoded in B slots, each finished row's slot taken by the next row inside the jitted loop.
 
 Oracles: every row's tokens, length and counters equal the plain batched decode's (greedy
-and sampled, both decoders, rows of different lengths so that slots refill at different
-iterations); a refilled row equals that row decoded alone with its row id (batch
-composition and entry time do not matter); the sampled sequence law with refilled rows
+and sampled; the autoregressive, speculative and adaptive (per-row draft length)
+decoders; rows of different lengths so that slots refill at different iterations); a
+refilled row equals that row decoded alone with its row id (batch composition, entry time
+and the slot's previous row do not matter); the sampled sequence law with refilled rows
 passes the chi-square oracle (tests/exactness.py); bad settings are refused by name.
 """
 
@@ -19,7 +20,13 @@ from spec_decode.decoding.drafters.lookup import LookupDrafter
 
 N, S, L = 9, 7, 10
 GREEDY, SAMPLED = decoding.Sampling(), decoding.Sampling(temperature=1.0)
-ALGOS = {"autoregressive": decoding.Autoregressive(), "speculative": decoding.Speculative(gamma=3)}
+ALGOS = {"autoregressive": decoding.Autoregressive(), "speculative": decoding.Speculative(gamma=3),
+         # per-row draft lengths (item 3 of the throughput issue): a refilled row starts
+         # from the drafter's initial state, not from its slot's previous row's
+         "adaptive_schedule": decoding.Speculative(
+             gamma=4, drafter=decoding.AdaptiveDrafter(rule="schedule", start=1)),
+         "adaptive_tuned": decoding.Speculative(
+             gamma=4, drafter=decoding.AdaptiveDrafter(rule="tuned", threshold=0.9))}
 
 
 def _inputs():
