@@ -532,6 +532,48 @@ def test_gamma_choice_of_a_lookup_decoder(tmp_path, fallback_below):
 def test_gamma_choice_fallback_threshold_is_checked(value):
   with pytest.raises(ValueError, match="GammaChoice.fallback_below must be a finite speedup"):
     experiment.GammaChoice(fallback_below=value)
+  with pytest.raises(ValueError, match="measured_fallback_below must be a finite speedup"):
+    experiment.GammaChoice(measured_fallback_below=value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_gamma_choice_timing_rounds_are_checked(value):
+  with pytest.raises(ValueError, match="GammaChoice.timing_rounds must be an int >= 0"):
+    experiment.GammaChoice(timing_rounds=value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", ["1e-6", "1e6"])
+def test_gamma_choice_checks_its_prediction_on_the_timed_warmup(tmp_path, threshold):
+  """A prediction that passes `fallback_below` is checked by timing both decoders on the
+  warm-up examples at the chosen gamma: below `measured_fallback_below` (here forced either
+  way) the decoder falls back to the autoregressive loop and says what it measured."""
+  out = str(tmp_path / "measured")
+  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2",
+            "GammaChoice.max_gamma = 3", "GammaChoice.fallback_below = 1e-6",
+            f"GammaChoice.measured_fallback_below = {threshold}",
+            "GammaChoice.timing_rounds = 2"]
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 3"] + choose, out, show_progress=False)
+  choice = summary["gamma_selection"]
+  best, timed = choice["cost_model"]["gamma"], choice["warmup_timing"]
+  assert timed["gamma"] == best and timed["examples"] == 2 and timed["rounds"] == 2
+  assert len(timed["baseline_seconds"]) == len(timed["decoder_seconds"]) == 2
+  assert min(timed["baseline_seconds"] + timed["decoder_seconds"]) > 0
+  assert timed["speedup"] == pytest.approx(min(timed["baseline_seconds"])
+                                           / min(timed["decoder_seconds"]))
+  with open(os.path.join(out, experiment.GAMMA_FILE)) as f:
+    assert json.load(f) == choice
+  text = main.format_summary(summary)
+  spec = summary["experiment"]["decoders"]["speculative"]
+  if threshold == "1e-6":
+    assert choice["gamma"] == best == spec["gamma"] and "fallback" not in choice
+    assert f"at gamma {best} the warm-up measured {timed['speedup']:.2f}X" in text
+  else:
+    assert choice["gamma"] == 0 and spec["name"] == "autoregressive"
+    assert f"measured {timed['speedup']:.2f}X against the autoregressive" in choice["fallback"]
+    assert "below GammaChoice.measured_fallback_below = 1e+06" in choice["fallback"]
+    assert "gamma 0: speculation did not pay on the warm-up" in text
+  assert summary["identical_fraction"] == 1.0
 
 
 @pytest.mark.slow

@@ -191,7 +191,11 @@ def format_summary(summary: dict) -> str:
                  "full run"
                  + (f"; Thm 3.8 would pick gamma {choice['thm_3_8']['gamma']}"
                     if "thm_3_8" in choice and choice['thm_3_8']['gamma'] != choice['gamma']
-                    else ""))
+                    else "")
+                 + (f"; at gamma {choice['gamma']} the warm-up measured "
+                    f"{choice['warmup_timing']['speedup']:.2f}X (autoregressive / speculative, "
+                    f"fastest of {choice['warmup_timing']['rounds']} rounds)"
+                    if "warmup_timing" in choice else ""))
   for name, values in summary.get("metrics", {}).items():
     lines.append(f"quality, {name}: " + ", ".join(f"{k} {v:.2f}"
                                                  for k, v in sorted(values.items())))

@@ -51,6 +51,13 @@ class GammaChoice:
   (not the encoders, the loop's own work, nor blocks cut short at a sequence's end), and
   measured speedups fall below it (big EnDe pair at batch 8 with refill, AMD EPYC:
   predicted 1.04X, measured 0.85X).
+  measured_fallback_below: a prediction that passes `fallback_below` is then checked by
+  measurement: both decoders (the speculative one at the chosen gamma) decode the warm-up
+  examples in `timing_rounds` interleaved rounds after a compiling call, and the decoder
+  falls back to gamma 0 when the autoregressive / speculative time (each decoder's fastest
+  round) is below this (default 1.0: speculation must have paid on the warm-up). None or
+  timing_rounds 0 skips the check, as does a config without a baseline; fallback_below
+  None skips both checks. The timed decodes compile what the run then uses.
   """
   decoder: str = "speculative"
   rule: str = "cost_model"
@@ -58,6 +65,8 @@ class GammaChoice:
   warmup_examples: int = 16
   warmup_gamma: int = 4
   fallback_below: float | None = 1.1
+  measured_fallback_below: float | None = 1.0
+  timing_rounds: int = 2
 
   def __post_init__(self):
     if not isinstance(self.decoder, str) or not self.decoder:
@@ -67,11 +76,21 @@ class GammaChoice:
     for name in ("max_gamma", "warmup_examples", "warmup_gamma"):
       if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"GammaChoice.{name} must be an int >= 1, got {getattr(self, name)!r}")
-    f = self.fallback_below
-    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float, np.floating))
-                          or not math.isfinite(f) or f <= 0):
-      raise ValueError(f"GammaChoice.fallback_below must be a finite speedup > 0 or None, "
-                       f"got {f!r}")
+    for name in ("fallback_below", "measured_fallback_below"):
+      f = getattr(self, name)
+      if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float, np.floating))
+                            or not math.isfinite(f) or f <= 0):
+        raise ValueError(f"GammaChoice.{name} must be a finite speedup > 0 or None, "
+                         f"got {f!r}")
+    if not _is_int(self.timing_rounds) or self.timing_rounds < 0:
+      raise ValueError(f"GammaChoice.timing_rounds must be an int >= 0, got "
+                       f"{self.timing_rounds!r}")
+
+  def times_warmup(self, has_baseline: bool) -> bool:
+    """Whether a prediction that passes `fallback_below` is checked by timing the decoders
+    on the warm-up examples (it needs a baseline to time against)."""
+    return (self.fallback_below is not None and self.measured_fallback_below is not None
+            and self.timing_rounds > 0 and has_baseline)
 
   def check(self, decoders: Mapping[str, decoding.Algorithm]) -> None:
     """Raises ValueError unless `decoders` holds a chain decoder of this name drafting at

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import time
 from typing import Any
 
 from absl import logging
+import jax
 import numpy as np
 
 from spec_decode import distributed, metrics, theory
@@ -36,7 +39,10 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
   non-decreasing in N (`theory.nondecreasing_costs`) and interpolated between them
   (`theory.optimal_gamma(..., verify_ratio=t)`): on a target whose verify call costs
   more than a step (a CPU, a large batch) Thm 3.8 picks too large a gamma. Both rules'
-  choices and predictions are recorded. The choice is written to output_dir/gamma.json
+  choices and predictions are recorded. The choice falls back to gamma 0 when the
+  prediction is below `GammaChoice.fallback_below`, or when the decoder at the chosen gamma
+  measured slower than `measured_fallback_below` times the baseline on the warm-up
+  examples (`warmup_speedup`, recorded as 'warmup_timing'). The choice is written to output_dir/gamma.json
   and reused on resume. Process 0 decides whether a recorded choice exists, so every process
   either reads it or joins the same warm-up decodes.
   """
@@ -105,12 +111,55 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
     if gc.fallback_below is not None and choice["predicted_speedup"] < gc.fallback_below:
       choice["fallback"] = fallback_message(gc, choice)
       choice["gamma"] = 0
+    elif gc.times_warmup(cfg.baseline is not None):
+      choice["warmup_timing"] = warmup_speedup(s, warmup, choice["gamma"])
+      if choice["warmup_timing"]["speedup"] < gc.measured_fallback_below:
+        choice["fallback"] = measured_fallback_message(gc, choice)
+        choice["gamma"] = 0
     if setup.is_writer():
       results.write_json(path, choice)
   gamma = int(setup.broadcast(np.int32(choice["gamma"] if setup.is_writer() else 0)))
   choice = dict(choice or {}, gamma=gamma)  # every process decodes with process 0's choice
   logging.info("gamma chosen: %s", choice)
   return choice
+
+
+def warmup_speedup(s: setup.Setup, warmup, gamma: int) -> dict[str, Any]:
+  """The baseline's and decoder `GammaChoice.decoder`'s (at `gamma`) decode time of the
+  warm-up examples, in the run's batches: one compiling call of each, then
+  `GammaChoice.timing_rounds` rounds, the two decoders interleaved (the order alternating
+  by round); the speedup is the ratio of each decoder's fastest round (another process on
+  the machine only ever adds time)."""
+  gc = s.config.gamma_choice
+  chosen = dataclasses.replace(s, config=s.config.with_gamma(gc.decoder, gamma))
+  fns = setup.decode_fns(chosen)
+  names = (s.config.baseline_name, gc.decoder)
+  rows = setup.call_rows(s)
+  batches = [setup.inputs(s, warmup[i:i + rows]) for i in range(0, len(warmup), rows)]
+  for name in names:
+    jax.block_until_ready(fns[name](*batches[0]))
+  seconds: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(gc.timing_rounds):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      start = time.perf_counter()
+      for batch in batches:
+        jax.block_until_ready(fns[name](*batch))
+      seconds[name].append(time.perf_counter() - start)
+  return {"gamma": gamma, "examples": len(warmup), "rounds": gc.timing_rounds,
+          "baseline_seconds": seconds[names[0]], "decoder_seconds": seconds[names[1]],
+          "speedup": min(seconds[names[0]]) / min(seconds[names[1]])}
+
+
+def measured_fallback_message(gc, choice: dict[str, Any]) -> str:
+  """Why a prediction that passed fell back after the warm-up's timed decodes."""
+  t = choice["warmup_timing"]
+  return (f"speculation did not pay on the warm-up: at gamma {t['gamma']} (predicted "
+          f"{choice['predicted_speedup']:.2f}X; alpha {choice['alpha']:.3f}, c "
+          f"{choice['c']:.3f}) decoder {gc.decoder!r} measured {t['speedup']:.2f}X against "
+          f"the autoregressive decoder on the {t['examples']} warm-up examples (fastest of "
+          f"{t['rounds']} rounds each), below GammaChoice.measured_fallback_below = "
+          f"{gc.measured_fallback_below:g}, so it ran the autoregressive loop (gamma 0); "
+          "GammaChoice.measured_fallback_below = None speculates at the predicted gamma")
 
 
 def fallback_message(gc, choice: dict[str, Any]) -> str:

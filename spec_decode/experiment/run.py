@@ -171,7 +171,9 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
     gc = config.gamma_choice
     say(f"choosing gamma of decoder {gc.decoder} ({gc.rule}): measuring alpha, c"
         + (" and the verify costs" if gc.rule == "cost_model" else "")
-        + f" on {gc.warmup_examples} warm-up examples")
+        + f" on {gc.warmup_examples} warm-up examples"
+        + (", then timing both decoders on them at the chosen gamma"
+           if gc.times_warmup(config.baseline is not None) else ""))
     gamma_choice = gamma.choose_gamma(s, output_dir)
     if gamma_choice["gamma"] == 0:  # the measured costs say speculation cannot pay
       if "fallback" in gamma_choice:
