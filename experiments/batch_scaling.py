@@ -89,6 +89,7 @@ def sweep(args) -> list[dict[str, Any]]:
     rows.append({
         "batch_size": B, "gamma": 0 if fell_back else gamma, "best_gamma": gamma,
         "fallback": choice.get("fallback"), "examples": n, "alpha": alpha,
+        "warmup_speedup": (choice.get("warmup_timing") or {}).get("speedup"),
         "tokens_per_call": summary["tokens_per_target_call"], "c": c, "verify_ratio": r,
         "c_spread": pc["c_rounds"]["speculative"], "c_run": t.get("c"),
         "verify_ratio_run": t.get("verify_ratio"),
@@ -224,12 +225,16 @@ def run(args, meta) -> harness.Output:
           Column("speculative_tokens_per_s", "spec tokens/s", lambda v: fmt(v, 0)),
           Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
           Column("cost_model", "cost model", x)]
+  if args.gamma is None:
+    cols.append(Column("warmup_speedup", "warm-up measured", x))
   target = f", target {args.demo_target}" if args.demo_target else ""
   gamma = (f"gamma {args.gamma}" if args.gamma else "gamma chosen at each batch size by the "
-           "cost model with the verify costs measured at that batch size (gamma 0: the costs "
-           "said speculation cannot pay there, so the speculative decoder ran the "
-           "autoregressive loop, and alpha, c, T_verify/T_p and the predictions are those of "
-           "the best gamma it would have used, from its warm-up)")
+           "cost model with the verify costs measured at that batch size, and checked by "
+           "timing both decoders on the warm-up examples at that gamma ('warm-up measured'; "
+           "gamma 0: the costs or that timing said speculation cannot pay there, so the "
+           "speculative decoder ran the autoregressive loop, and alpha, c, T_verify/T_p and "
+           "the predictions are those of the best gamma it would have used, from its "
+           "warm-up)")
   notes = [f"{args.scale} scale, task {args.task}{target}, draft {args.draft}, {gamma}, "
            f"temperature {args.temperature:g}, the same {args.num_examples} examples at every "
            "batch size; one spec_decode.main run per batch size (commands in the JSON rows).",

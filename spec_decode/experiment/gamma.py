@@ -42,9 +42,9 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
   choices and predictions are recorded. The choice falls back to gamma 0 when the
   prediction is below `GammaChoice.fallback_below`, or when the decoder at the chosen gamma
   measured slower than `measured_fallback_below` times the baseline on the warm-up
-  examples (`warmup_speedup`, recorded as 'warmup_timing'). The choice is written to output_dir/gamma.json
-  and reused on resume. Process 0 decides whether a recorded choice exists, so every process
-  either reads it or joins the same warm-up decodes.
+  examples (`warmup_speedup`, recorded as 'warmup_timing'). The choice is written to
+  output_dir/gamma.json and reused on resume. Process 0 decides whether a recorded choice
+  exists, so every process either reads it or joins the same warm-up decodes.
   """
   gc = s.config.gamma_choice
   path = f"{output_dir}/{GAMMA_FILE}"
