@@ -37,7 +37,8 @@ class Drafter:
   speculative loop then runs with the target alone.
   refillable: whether a row's drafter state is all per row (batch first), so a refilling
   loop (`runner.refilling_loop`) can give a finished row's slot to the next example; a
-  drafter that branches on the loop's shared iteration count (`Committed.it`) says False.
+  drafter that branches on the loop's shared iteration count (`Committed.it`) says False
+  (a row's own first iteration is `Committed.length == 0`, which refill keeps per row).
   varies_length: whether a proposal's length often falls short of gamma (a lookup that
   matched nothing proposes none); the speculative loop then verifies only as many
   positions as the longest row proposed (`Speculative.trim_verify`), at the price of a

@@ -17,7 +17,8 @@ the head's prediction of f_m, the target's state at input s_m.
            (f_{m+i}, s_{m+i+1}) in one call, rewound to the new length m', and
            `feature` becomes its prediction at pair m' - 1 (f_{m'}).
 
-The first iteration has no target feature yet: its proposal has length 0, so
+A row's first iteration (nothing committed yet: the loop's first, or the first after
+the row entered a refilled slot) has no target feature: its proposal has length 0, so
 the verify call is a plain target step (the verifier accepts nothing and
 draws s_1 from p at the root); from then on every proposal is full. Greedy
 proposals are the LM head's argmax chain with q None; sampled ones draw from
@@ -85,7 +86,6 @@ class EagleState:
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   """Proposes a chain from an EAGLE head (the loop's draft model); see the module doc."""
-  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     if not isinstance(draft, FeatureHead):
@@ -130,7 +130,9 @@ class EagleDrafter(Drafter):
     x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
     q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     B = x.shape[0]
-    length = jnp.full((B,), jnp.where(committed.it == 0, 0, num), jnp.int32)
+    # A row's first iteration (nothing committed yet, also for a row that entered a
+    # refilled slot) has no target feature: an empty proposal.
+    length = jnp.where(committed.length == 0, 0, num).astype(jnp.int32)
     return (Proposal.chain(x, q, length=length),
             state.replace(cache=cache.rewind(state.cache.lengths)))
 
@@ -156,7 +158,6 @@ class EagleDrafter(Drafter):
 class EagleTreeDrafter(TreeDrafter):
   """A best-first tree (`TreeDrafter`'s budget, width, expand, depth, steps) from an EAGLE
   head; see the module doc."""
-  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     EagleDrafter().check_models(target, draft)
@@ -186,7 +187,7 @@ class EagleTreeDrafter(TreeDrafter):
     feats = jnp.zeros((B, N, head.d_model), head.config.dtype)
     tok, par, _, path_lp = self.grow(ctx.sampling, lm(root_feature[:, None])[:, 0], score,
                                      feats)
-    par = jnp.where(committed.it == 0, -2, par)  # no target feature yet: an empty tree
+    par = jnp.where((m == 0)[:, None], -2, par)  # no target feature yet: an empty tree
     conf = jnp.where(par >= -1, confidence(path_lp), 0.0)
     return Proposal(tokens=tok, q=None, parent=par, confidence=conf), state
 

@@ -25,7 +25,8 @@ propose: each module k <= num runs once over the window t = P .. P + 2 num - 1
 commit:  the verify call's target_hidden[:, i] is f_{m+i} for i <= n (n
          accepted): written into `feats` at slots m - P + i. No module runs.
 
-The first iteration has no target feature yet: it proposes nothing (the verify
+A row's first iteration (nothing committed yet, also after it entered a refilled slot)
+has no target feature: it proposes nothing (the verify
 call is a plain target step), as the EAGLE drafter. Greedy proposals take each
 module's argmax (q None); sampled ones draw x_k from the adjusted law
 `ctx.sampling.probs` of module k's logits and return it as q_k, so the chain
@@ -89,7 +90,6 @@ def _tokens_at(committed: Committed, positions_BW):
 @dataclasses.dataclass(frozen=True)
 class MtpDrafter(Drafter):
   """Proposes gamma <= D tokens from D sequential MTP modules; see the module doc."""
-  refillable = False  # the first iteration is the loop's (Committed.it == 0)
 
   def check_models(self, target, draft) -> None:
     if not isinstance(draft, MtpNetwork):
@@ -138,7 +138,8 @@ class MtpDrafter(Drafter):
       qs.append(q)
     x = jnp.stack(xs, axis=1)
     q = None if sampling.greedy else jnp.stack(qs, axis=1)
-    length = jnp.full((x.shape[0],), jnp.where(committed.it == 0, 0, num), jnp.int32)
+    # A row's first iteration (m = 0, also in a refilled slot) has no target feature.
+    length = jnp.where(m == 0, 0, num).astype(jnp.int32)
     # Slot j of the shifted buffer holds f_{P'+j}.
     slots = jnp.arange(state.feats.shape[1])[None, :] + (new_P - P)[:, None]
     feats = jnp.take_along_axis(state.feats,
