@@ -42,7 +42,7 @@ def _model_bindings(args) -> list[str]:
     out.append(f"ExperimentConfig.refill_chunk = {args.refill_chunk}")
   if args.kernel_weights != "auto":
     out.append(f"target/ModelSpec.kernel_weights = '{args.kernel_weights}'")
-    if args.draft not in ("unigram", "bigram"):
+    if args.draft not in setups.NGRAM_DRAFTS:
       out.append(f"draft/ModelSpec.kernel_weights = '{args.kernel_weights}'")
   return out
 

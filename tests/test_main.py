@@ -557,8 +557,9 @@ def test_gamma_choice_checks_its_prediction_on_the_timed_warmup(tmp_path, thresh
   choice = summary["gamma_selection"]
   best, timed = choice["cost_model"]["gamma"], choice["warmup_timing"]
   assert timed["gamma"] == best and timed["examples"] == 2 and timed["rounds"] == 2
-  assert len(timed["baseline_seconds"]) == len(timed["decoder_seconds"]) == 2
-  assert min(timed["baseline_seconds"] + timed["decoder_seconds"]) > 0
+  assert (len(timed["baseline_seconds"]) == len(timed["decoder_seconds"])
+          == len(timed["first_call_seconds"]) == 2)
+  assert all(isinstance(t, float) for t in timed["baseline_seconds"] + timed["decoder_seconds"])
   assert timed["speedup"] == pytest.approx(min(timed["baseline_seconds"])
                                            / min(timed["decoder_seconds"]))
   with open(os.path.join(out, experiment.GAMMA_FILE)) as f:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from typing import Any
 
 from absl import logging
-import jax
 import numpy as np
 
 from spec_decode import distributed, metrics, theory
+from spec_decode.decoding import timing
 from spec_decode.experiment import measure, results, setup
 
 def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
@@ -126,26 +125,25 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
 
 def warmup_speedup(s: setup.Setup, warmup, gamma: int) -> dict[str, Any]:
   """The baseline's and decoder `GammaChoice.decoder`'s (at `gamma`) decode time of the
-  warm-up examples, in the run's batches: one compiling call of each, then
-  `GammaChoice.timing_rounds` rounds, the two decoders interleaved (the order alternating
-  by round); the speedup is the ratio of each decoder's fastest round (another process on
-  the machine only ever adds time)."""
+  warm-up examples, in the run's batches: one compiling call of each (its seconds kept as
+  'first_call_seconds', baseline then decoder), then `GammaChoice.timing_rounds` rounds,
+  the two decoders interleaved (the order alternating by round); the speedup is the ratio
+  of each decoder's fastest round (another process on the machine only ever adds time)."""
   gc = s.config.gamma_choice
   chosen = dataclasses.replace(s, config=s.config.with_gamma(gc.decoder, gamma))
   fns = setup.decode_fns(chosen)
   names = (s.config.baseline_name, gc.decoder)
   rows = setup.call_rows(s)
   batches = [setup.inputs(s, warmup[i:i + rows]) for i in range(0, len(warmup), rows)]
-  for name in names:
-    jax.block_until_ready(fns[name](*batches[0]))
+  # compiles (so the run's own first calls, timed as compilation, find it done)
+  first = [timing.timed(lambda f=fns[name]: f(*batches[0])).seconds[0] for name in names]
   seconds: dict[str, list[float]] = {name: [] for name in names}
   for r in range(gc.timing_rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
-      start = time.perf_counter()
-      for batch in batches:
-        jax.block_until_ready(fns[name](*batch))
-      seconds[name].append(time.perf_counter() - start)
+      every_batch = lambda f=fns[name]: [f(*batch) for batch in batches]
+      seconds[name] += timing.timed(every_batch).seconds
   return {"gamma": gamma, "examples": len(warmup), "rounds": gc.timing_rounds,
+          "first_call_seconds": first,
           "baseline_seconds": seconds[names[0]], "decoder_seconds": seconds[names[1]],
           "speedup": min(seconds[names[0]]) / min(seconds[names[1]])}
 
