@@ -16,6 +16,10 @@ task's first --num_examples test inputs, batch 1) and temperature, on the same k
                                   match (`tokens_per_ngram=(2, gamma)`);
   layer skip k                    `LayerSkipDrafter(layers=k)` for k in --layers: the target's
                                   own first k decoder layers, final norm and LM head;
+  layer skip k + exit adapter     `LayerSkipDrafter(layers=k, adapter=True)`: the same after
+                                  the trained exit adapter (Kangaroo) shipped for the task
+                                  (demo_models/<task>_exit_adapter, k from its config; run
+                                  when that directory exists; tiny scale: a random one);
   lookup, else layer skip k       the lookup where it matches, the first --layers depth
                                   elsewhere (`LookupDrafter(fallback=...)`);
   bigram table                    the paper's Table 3 bigram draft, fit on the task's train
@@ -70,7 +74,12 @@ def _models(args, task: str):
     demo = args.demo_models or harness.DEMO_DIR
     target_spec = harness.model_spec(os.path.join(demo, f"{task}_target_big"))
     small_spec = harness.model_spec(os.path.join(demo, f"{task}_small"), role="draft")
-  models = harness.load_models(target_spec, {"small": small_spec})
+  adapter_spec = {}
+  if args.scale == "demo" and os.path.isdir(os.path.join(demo, f"{task}_exit_adapter")):
+    from spec_decode.experiment.model_specs import ModelSpec
+    adapter_spec["adapter"] = ModelSpec(kind="exit_adapter", dtype="float32",
+                                        checkpoint=os.path.join(demo, f"{task}_exit_adapter"))
+  models = harness.load_models(target_spec, {"small": small_spec, **adapter_spec})
   target, tparams = models.target, models.target_params
   train = data.load_examples(data.get_task(name), split="train",
                              num_examples=args.bigram_examples,
@@ -79,6 +88,12 @@ def _models(args, task: str):
   drafts = {"small": models.draft("small"),
             "bigram": (bigram, ngram.fit([ex.target_tokens for ex in train], order=2,
                                          vocab_size=target.vocab_size))}
+  if adapter_spec:
+    drafts["adapter"] = models.draft("adapter")
+  elif args.scale == "tiny":  # a random adapter: the target's layer 1 copied after layer 0
+    from spec_decode.heads.exit_adapter import ExitAdapter, ExitAdapterConfig
+    adapter = ExitAdapter(ExitAdapterConfig.for_target(target.config, 1))
+    drafts["adapter"] = (adapter, adapter.from_target_layer(tparams, 1))
   inputs = harness.task_inputs(name, split=split, num_examples=args.num_examples,
                                input_length=input_len, decode_len=decode_len)
   return target, tparams, drafts, inputs, decode_len
@@ -123,8 +138,9 @@ def lookup_ceiling(inputs: np.ndarray, outputs, *, gamma: int, max_ngram: int = 
   return tokens / max(calls, 1)
 
 
-def decoders(args) -> dict[str, tuple[Any, str | None]]:
-  """{label: (Speculative, the draft it needs or None)} of the comparison (module doc)."""
+def decoders(args, adapter=None) -> dict[str, tuple[Any, str | None]]:
+  """{label: (Speculative, the draft it needs or None)} of the comparison (module doc);
+  `adapter`: the exit adapter, if the task has one."""
   from spec_decode import decoding
   from spec_decode.decoding.drafters.layer_skip import LayerSkipDrafter
   from spec_decode.decoding.drafters.lookup import LookupDrafter
@@ -134,6 +150,9 @@ def decoders(args) -> dict[str, tuple[Any, str | None]]:
          "lookup, <= 2 after a 1-gram": (spec(LookupDrafter(tokens_per_ngram=(2, g))), None)}
   for k in args.layers:
     out[f"layer skip {k}"] = (spec(LayerSkipDrafter(layers=k)), None)
+  if adapter is not None:
+    out[f"layer skip {adapter.layers} + exit adapter"] = (
+        spec(LayerSkipDrafter(layers=adapter.layers, adapter=True)), "adapter")
   k = args.layers[0]
   out[f"lookup, else layer skip {k}"] = (
       spec(LookupDrafter(fallback=LayerSkipDrafter(layers=k))), None)
@@ -152,7 +171,7 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
       raise ValueError(f"--layers {k}: the {task} target has "
                        f"{target.config.num_decoder_layers} decoder layers")
   batches = [(inputs[i:i + 1], np.asarray([i], np.int32)) for i in range(len(inputs))]
-  specs = decoders(args)
+  specs = decoders(args, drafts["adapter"][0] if "adapter" in drafts else None)
   name = task if args.scale == "demo" else TINY_TASK[0]  # the rows' task label
   rows = []
   for temperature in args.temperatures:
@@ -192,8 +211,9 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
       rows.append({
           "task": name,
           "temperature": temperature, "decoder": label,
-          "draft_model": {None: "none", "bigram": "bigram table",
-                          "small": "small T5 (0.44M)"}[draft] if args.scale == "demo"
+          "draft_model": {None: "none", "bigram": "bigram table", "small": "small T5 (0.44M)",
+                          "adapter": f"exit adapter ({_millions(drafts, 'adapter')})"}[draft]
+          if args.scale == "demo"
           else draft or "none",
           "tokens_per_call": st["tokens_per_target_call"],
           "drafted_per_call": st["drafted_per_target_call"], "alpha": st["alpha"],
@@ -211,12 +231,17 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
   return rows
 
 
+def _millions(drafts, name: str) -> str:
+  return f"{drafts[name][0].num_params() / 1e6:.1f}M"
+
+
 def best_depths(rows) -> dict[tuple[str, float], dict[str, Any]]:
   """{(task, temperature): {k, predicted, speedup}}: the layer skip depth whose cost model
   (the measured alpha, c and verify cost) predicts the largest speedup."""
   out = {}
   for r in rows:
-    if not r["decoder"].startswith("layer skip ") or r["predicted"] is None:
+    if (not r["decoder"].startswith("layer skip ") or r["predicted"] is None
+        or r["draft_model"] != "none"):
       continue
     key = (r["task"], r["temperature"])
     if key not in out or r["predicted"] > out[key]["predicted"]:
@@ -240,7 +265,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
   p.add_argument("--cost_repeats", type=int, default=10, help="rounds of the step costs")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--demo_models", default=None)
+  p.add_argument("--demo_models", default=None, help="the demo models' directory (default "
+                 "demo_models/)")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--name", default=None, help="the result files' stem (default draft_free, "
                  "draft_free_tiny at the tiny scale)")

@@ -463,14 +463,16 @@ def test_draft_free_tiny(out):
   res = _json(paths["json"])
   rows = res["rows"]
   names = ["lookup", "lookup, <= 2 after a 1-gram", "layer skip 1", "layer skip 2",
-           "lookup, else layer skip 1", "bigram table", "small draft"]
+           "layer skip 1 + exit adapter", "lookup, else layer skip 1", "bigram table",
+           "small draft"]
   assert [r["decoder"] for r in rows] == names
-  assert [r["temperature"] for r in rows] == [0.0] * 7
+  assert [r["temperature"] for r in rows] == [0.0] * 8
   for r in rows:
     assert r["tokens_per_call"] >= 1 and r["c"] > 0 and r["speedup"] > 0
     assert r["speedup_fastest"] > 0 and r["predicted"] > 0
-    assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small"}.get(
-        r["decoder"], "none")
+    assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small",
+                                "layer skip 1 + exit adapter": "adapter"}.get(r["decoder"],
+                                                                              "none")
     assert r["identical_fraction"] == 1.0  # greedy: every decoder equals the baseline
   # the lookup proposes no more than its cap after a single-token match; the chains always gamma
   assert rows[1]["drafted_per_call"] <= rows[0]["drafted_per_call"]
@@ -479,7 +481,7 @@ def test_draft_free_tiny(out):
   for t in ("0",):
     best = res["best_layer_skip_depth"][f"toy_reverse_t{t}"]
     skips = [r for r in rows if r["decoder"].startswith("layer skip")
-             and r["temperature"] == float(t)]
+             and r["draft_model"] == "none" and r["temperature"] == float(t)]
     assert best["predicted"] == max(r["predicted"] for r in skips) and best["k"] in (1, 2)
   with pytest.raises(SystemExit):
     draft_free.main(["--tasks", "fr"])

@@ -2,8 +2,9 @@
 
   models   TrainConfig: T5 models, supervised fine-tuning and draft distillation
   heads    HeadTrainConfig, train_head: a draft head on a frozen target, for every kind
-  eagle, mtp, medusa   the heads' recipes: their losses and configs (EagleTrainConfig,
-                       MtpTrainConfig, MedusaTrainConfig)
+  eagle, mtp, medusa, exit_adapter
+                       the heads' recipes: their losses and configs (EagleTrainConfig,
+                       MtpTrainConfig, MedusaTrainConfig, ExitAdapterTrainConfig)
   data, losses         batches by step; cross-entropy, z-loss and distillation divergences
 
 Every config has `run()`; `python -m spec_decode.cli.train --gin_file=...` runs the one
@@ -19,12 +20,13 @@ for _module in pkgutil.iter_modules(__path__):  # registration: every recipe's c
   importlib.import_module(f"{__name__}.{_module.name}")
 
 # noqa: E402 below: the names are imported after the registration loop.
-from spec_decode.train import data, eagle, heads, losses, medusa, models, mtp  # noqa: E402
+from spec_decode.train import (  # noqa: E402
+    data, eagle, exit_adapter, heads, losses, medusa, models, mtp)
 from spec_decode.train import trainer  # noqa: E402
 # _initial_params: the T5 trainer's start from (or growth of) an init checkpoint, which tests
 # read.
 from spec_decode.train.models import (  # noqa: E402,F401
     TrainConfig, TrainResult, _initial_params, train)
 
-__all__ = ["TrainConfig", "TrainResult", "data", "eagle", "heads", "losses", "medusa", "models",
-           "mtp", "train", "trainer"]
+__all__ = ["TrainConfig", "TrainResult", "data", "eagle", "exit_adapter", "heads", "losses",
+           "medusa", "models", "mtp", "train", "trainer"]

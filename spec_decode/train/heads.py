@@ -103,11 +103,13 @@ class HeadTrainResult:
 class HeadRecipe:
   """How to train one kind of head: what: its name in reports; build(target) -> head;
   loss(head, params, target=, target_params=, batch=) -> (loss, metrics); describe(metrics)
-  -> a log line's tail."""
+  -> a log line's tail; init(head, rng, target, target_params) -> the starting params
+  (None: the head's random init)."""
   what: str
   build: Callable[[t5.T5], Any]
   loss: Callable[..., Any]
   describe: Callable[[Mapping[str, float]], str]
+  init: Callable[..., Any] | None = None
 
 
 def train_head(cfg: HeadTrainConfig, recipe: HeadRecipe, *,
@@ -137,7 +139,9 @@ def train_head(cfg: HeadTrainConfig, recipe: HeadRecipe, *,
   head.check_target(target)
   report(f"{recipe.what}: {head.num_params():,} parameters (target {target.num_params():,}); "
          f"{len(train_split)} training examples")
-  params = head.init(jax.random.PRNGKey(cfg.seed))
+  rng = jax.random.PRNGKey(cfg.seed)
+  params = head.init(rng) if recipe.init is None else recipe.init(head, rng, target,
+                                                                  target_params)
   optimizer = trainer.make_optimizer(cfg)
   state = trainer.TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
   state, manager = trainer.resume(state, cfg, report)

@@ -13,18 +13,40 @@ Cost: a draft step reads k of the target's L decoder layers plus its LM head, so
 c ~ (k x layer + head) / (L x layer + head); the target's weights are shared, no memory is
 added beyond the draft's cache. Acceptance: what the first k layers of a model trained
 only at its last layer predict through the final norm and LM head (measured by
-experiments/draft_free.py; a model trained with early-exit losses (LayerSkip) or an exit
-adapter (Kangaroo) would do better; neither is built here).
+experiments/draft_free.py).
+
+With `adapter=True` the decode call's draft model is a trained exit adapter
+(`heads.exit_adapter`, Kangaroo): one decoder block of the target's layer shape, trained on
+the frozen target to read its layer-k stream, runs after the first k layers, before the final
+norm and LM head. The draft is then a T5 of k + 1 layers (the target's first k, the adapter)
+and runs the same loop; a draft step costs one more layer than plain layer skipping.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 from spec_decode.decoding import registry, timing
 from spec_decode.decoding.drafters.model import ModelDrafter
 from spec_decode.decoding.runner import is_int
 from spec_decode.models import t5
+
+
+@runtime_checkable
+class ExitAdapterLike(Protocol):
+  """What `LayerSkipDrafter(adapter=True)` asks of its draft "model" (`heads.exit_adapter.
+  ExitAdapter`): a block trained to run after the target's first `layers` decoder layers."""
+  layers: int
+
+  def check_target(self, target) -> None:
+    """Raises ValueError unless the adapter fits after this target's first layers."""
+
+  def draft(self, target) -> t5.T5:
+    """The draft: a T5 of the target's settings, its first layers and the adapter."""
+
+  def draft_params(self, target_params, params):
+    """The draft's parameters: the target's first layers' (the same leaves), the adapter's."""
 
 
 def truncated(target, layers: int) -> t5.T5:
@@ -43,14 +65,20 @@ def truncated_params(params, layers: int):
 @registry.drafter("layer_skip")
 @dataclasses.dataclass(frozen=True)
 class LayerSkipDrafter(ModelDrafter):
-  """Proposes a chain from the target's first `layers` decoder layers (module doc)."""
+  """Proposes a chain from the target's first `layers` decoder layers (module doc); with
+  `adapter`, through the exit adapter the decode call is given as its draft model."""
   layers: int = 2
-
-  needs_draft_model = False
+  adapter: bool = False
 
   def __post_init__(self):
     if not is_int(self.layers) or self.layers < 1:
       raise ValueError(f"LayerSkipDrafter.layers must be an int >= 1, got {self.layers!r}")
+    if not isinstance(self.adapter, bool):
+      raise ValueError(f"LayerSkipDrafter.adapter must be True or False, got {self.adapter!r}")
+
+  @property
+  def needs_draft_model(self) -> bool:  # overrides the class attribute: the adapter
+    return self.adapter
 
   def check_models(self, target, draft) -> None:
     if not isinstance(target, t5.T5):
@@ -60,14 +88,30 @@ class LayerSkipDrafter(ModelDrafter):
     if self.layers >= n:
       raise ValueError(f"LayerSkipDrafter.layers = {self.layers} must be below the target's "
                        f"{n} decoder layers (the draft is the target's first layers)")
+    if not self.adapter:
+      return
+    if not isinstance(draft, ExitAdapterLike):
+      raise ValueError(f"LayerSkipDrafter(adapter=True) drafts through an exit adapter "
+                       f"(heads.exit_adapter, ModelSpec kind 'exit_adapter'), got a "
+                       f"{type(draft).__name__} draft")
+    if draft.layers != self.layers:
+      raise ValueError(f"the exit adapter was trained after {draft.layers} decoder layers, "
+                       f"LayerSkipDrafter.layers is {self.layers}")
+    draft.check_target(target)
+
+  def _shallow(self, target, target_params, draft, draft_params):
+    """(model, params) of the draft: the truncated target, or with an adapter the target's
+    first layers and the adapter (laid out like the target)."""
+    if self.adapter:
+      return draft.draft(target), draft.draft_params(target_params, draft_params)
+    return truncated(target, self.layers), truncated_params(target_params, self.layers)
 
   def _draft_ctx(self, ctx):
     """`ctx` with the truncated target as its draft model (laid out like the target)."""
+    model, params = self._shallow(ctx.target, ctx.target_params, ctx.draft, ctx.draft_params)
     return dataclasses.replace(
-        ctx, draft=truncated(ctx.target, self.layers),
-        draft_params=truncated_params(ctx.target_params, self.layers),
-        draft_encoder_tokens=ctx.encoder_tokens, draft_rules=ctx.rules,
-        draft_packed_index=ctx.packed_index)
+        ctx, draft=model, draft_params=params, draft_encoder_tokens=ctx.encoder_tokens,
+        draft_rules=ctx.rules, draft_packed_index=ctx.packed_index)
 
   def init(self, ctx, room: int):
     ctx = self._draft_ctx(ctx)
@@ -79,8 +123,8 @@ class LayerSkipDrafter(ModelDrafter):
 
   def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int):
     """gamma single-token steps of the truncated target per proposal (see ModelDrafter)."""
-    shallow = dataclasses.replace(
-        workload, draft=truncated(workload.target, self.layers),
-        draft_params=truncated_params(workload.target_params, self.layers),
-        draft_rules=workload.rules)
+    model, params = self._shallow(workload.target, workload.target_params, workload.draft,
+                                  workload.draft_params)
+    shallow = dataclasses.replace(workload, draft=model, draft_params=params,
+                                  draft_rules=workload.rules)
     return super().proposal_loop(shallow, gamma=gamma, steps=steps)
