@@ -29,9 +29,10 @@ task's first --num_examples test inputs, batch 1) and temperature, on the same k
 all at gamma --gamma with token-level verification. Reported per decoder: tokens per target
 call, drafted tokens per call, alpha (the mean beta over decided positions), c (one
 proposal's marginal cost in its decoding loop / (gamma T_p), measured in interleaved rounds
-with the target step: `experiment.measure.step_costs`), the cost model's speedup from those
-(E[tokens] / (gamma c + T_verify(gamma + 1) / T_p); the lookup's E at its mean proposed
-length), and the measured speedup: the median over --repeats rounds (decoders
+with the target step: `experiment.measure.step_costs`), c in the loop (the same, each
+proposal followed by the verify call, minus that call: `step_costs(in_loop=True)`), the cost
+model's speedup from those (E[tokens] / (gamma c_in_loop + T_verify(gamma + 1) / T_p); the
+lookup's E at its mean proposed length), and the measured speedup: the median over --repeats rounds (decoders
 interleaved within a round, all after compilation) of the baseline's seconds over the
 decoder's, and the same ratio of each example's fastest call summed over the examples
 (`fastest calls`: what a round's drift or a stall cannot move); at t=0 the fraction of rows
@@ -194,7 +195,7 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
     costs = measure.step_costs(
         workload, {label: algo for label, (algo, _) in specs.items()},
         drafts={label: drafts[d] for label, (_, d) in specs.items() if d},
-        repeats=args.cost_repeats)
+        repeats=args.cost_repeats, in_loop=True)
     base = times["autoregressive"]
     if temperature == 0:
       greedy = [r["tokens"] for r in harness.rows_of(base.outputs, len(inputs))]
@@ -204,7 +205,8 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
       st = harness.decode_stats(times[label].outputs, len(inputs), baseline=base.outputs)
       speedups = [a / b for a, b in zip(base.seconds, times[label].seconds)]
       verify_ratio = costs["verify_ratio"][algo.max_proposal + 1]
-      model = algo.cost_model(alpha=st["alpha"], draft_cost=costs["c"][label] * algo.gamma,
+      model = algo.cost_model(alpha=st["alpha"],
+                              draft_cost=costs["c_in_loop"][label] * algo.gamma,
                               verify_ratio=verify_ratio,
                               counters={"draft_tokens": st["drafted_per_target_call"],
                                         "target_calls": 1.0})
@@ -217,7 +219,7 @@ def run_task(args, task: str, ceilings: dict) -> list[dict[str, Any]]:
           else draft or "none",
           "tokens_per_call": st["tokens_per_target_call"],
           "drafted_per_call": st["drafted_per_target_call"], "alpha": st["alpha"],
-          "c": costs["c"][label],
+          "c": costs["c"][label], "c_in_loop": costs["c_in_loop"][label],
           "verify_ratio": verify_ratio,
           "predicted": model["cost_model"] if model else None,
           "speedup": float(statistics.median(speedups)),
@@ -301,7 +303,7 @@ def run(args, meta) -> harness.Output:
           Column("decoder", "decoder"), Column("draft_model", "draft model"),
           Column("tokens_per_call", "tokens/call", f2),
           Column("drafted_per_call", "drafted/call", f2), Column("alpha", "alpha", f3),
-          Column("c", "c", f3),
+          Column("c", "c", f3), Column("c_in_loop", "c in loop", f3),
           Column("predicted", "cost model", lambda v: fmt(v, 2, "X")),
           Column("speedup", "measured speedup", lambda v: fmt(v, 2, "X")),
           Column("speedup_fastest", "fastest calls", lambda v: fmt(v, 2, "X")),
@@ -312,7 +314,11 @@ def run(args, meta) -> harness.Output:
            "encoding included); fastest calls: the sums of each example's fastest call, "
            "autoregressive / decoder.",
            "c: one proposal's marginal cost in its loop / (gamma x the target's step); the "
-           "lookup's is its search, the layer skip's the truncated target's steps."]
+           "lookup's is its search, the layer skip's the truncated target's steps. c in loop: "
+           "the same for proposals each followed by the verify call, minus the verify call "
+           "(`step_costs(in_loop=True)`): what a proposal costs where the decoding loop runs "
+           "it, after the target's weights went through the caches; the cost model charges "
+           "it."]
   for (task, temperature), best in best_depths(rows).items():
     notes.append(f"{task}, t={temperature:g}: of the layer skip depths, the cost model picks "
                  f"k = {best['k']} from the measured alpha and c ({best['predicted']:.2f}X "

@@ -157,3 +157,67 @@ def test_step_costs_time_every_decoder_in_the_same_rounds():
     assert costs["c"][name] == costs["proposal"][name]["median"] / (2 * t_p) > 0
     assert costs["c_rounds"][name]["n"] == 2
   assert costs["verify_ratio"][3] == costs["verify"][3]["median"] / t_p
+
+
+IN_LOOP_DRAFTERS = [("model", decoding.ModelDrafter()), ("none", decoding.LookupDrafter()),
+                    ("none", decoding.LayerSkipDrafter(layers=1)),
+                    ("eagle", decoding.EagleDrafter())]
+
+
+@pytest.mark.parametrize("kind,drafter", IN_LOOP_DRAFTERS,
+                         ids=[type(d).__name__ for _, d in IN_LOOP_DRAFTERS])
+def test_proposal_loops_with_a_verify_call_run_the_drafters_own_proposals(kind, drafter):
+  """proposal_loop(verify_tokens=n): the drafter's own proposals, each followed by a target
+  call on n tokens, in one jitted loop; the same settings share a compile."""
+  w = _workload(kind)
+  loop = drafter.proposal_loop(w, gamma=2, steps=2, verify_tokens=3)
+  assert loop.steps == 2
+  assert np.isfinite(float(jax.block_until_ready(loop())))
+  with pytest.raises(ValueError, match="verify_tokens must be an int >= 0"):
+    timing.proposal_loop(drafter, w, gamma=2, steps=2, verify_tokens=-1)
+
+
+def test_in_loop_costs_subtract_the_verify_call(monkeypatch):
+  """step_costs(in_loop=True): c_in_loop = (proposal + verify loop - verify loop) / (gamma
+  T_p), floored at 0, from the same rounds (the clock replaced by fixed values: what is
+  checked is the arithmetic and which loops are built and run, not the machine's speed)."""
+  w = _workload("model")
+  decoders = {"ar": decoding.Autoregressive(), "chain": decoding.Speculative(gamma=2),
+              "skip": decoding.Speculative(gamma=3,
+                                           drafter=decoding.LayerSkipDrafter(layers=1))}
+  fixed = {"target": [0.010, 0.010], "proposal:chain": [0.004, 0.004],
+           "proposal+verify:chain": [0.020, 0.020], "verify:3": [0.015, 0.015],
+           "proposal:skip": [0.006, 0.006], "proposal+verify:skip": [0.010, 0.010],
+           "verify:4": [0.016, 0.016]}
+
+  def fake_interleaved(loops, *, repeats, inner):
+    assert set(loops) == set(fixed)
+    for name, pair in loops.items():
+      for f in pair:
+        jax.block_until_ready(f())  # every loop the timer would run builds and runs
+    return fixed
+
+  monkeypatch.setattr(timing, "interleaved", fake_interleaved)
+  costs = experiment.step_costs(w, decoders, repeats=2, steps=1, in_loop=True)
+  assert costs["c"]["chain"] == pytest.approx(0.004 / (2 * 0.010))
+  assert costs["c_in_loop"]["chain"] == pytest.approx((0.020 - 0.015) / (2 * 0.010))
+  assert costs["c_in_loop"]["skip"] == 0.0  # a proposal cannot cost less than nothing
+  assert costs["proposal_in_loop"]["chain"]["median"] == pytest.approx(0.020)
+
+
+def test_report_charges_the_in_loop_cost_when_measured():
+  chain = decoding.Speculative(gamma=2)
+  cfg = types.SimpleNamespace(algorithms={"autoregressive": decoding.Autoregressive(),
+                                          "chain": chain}, baseline_name="autoregressive")
+  stats = {"target_calls": 2, "draft_tokens": 4, "accepted": 3, "decisions": 4,
+           "min_pq_sum": 3.2, "accepted_at": [2, 1], "decided_at": [2, 2]}
+  row = {"decoders": {"autoregressive": {"stats": {"target_calls": 5}, "length": 5,
+                                         "tokens": [3, 4, 5, 6, 1]},
+                      "chain": {"stats": stats, "length": 5, "tokens": [3, 4, 5, 6, 1]}}}
+  steps = {"target_step_seconds": 0.01, "proposal_seconds": {"chain": 0.004},
+           "c_by_decoder": {"chain": 0.2}, "c_in_loop_by_decoder": {"chain": 0.35},
+           "verify_ratio_by_tokens": {"3": 1.5}}
+  d = report._decoder_summary(cfg, "chain", [row], {"autoregressive": 1.0, "chain": 0.5}, steps)
+  assert d["cost_model_speedup"] == pytest.approx(
+      float(theory.expected_tokens(0.8, 2)) / (2 * 0.35 + 1.5))
+  assert d["c"] == 0.2 and d["c_in_loop"] == 0.35

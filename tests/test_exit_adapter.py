@@ -175,3 +175,17 @@ def test_errors_name_the_problem():
     ExitAdapterConfig.for_target(target.config, 0)
   with pytest.raises(ValueError, match="exit adapter params"):
     adapter.check_params({"layers_0": {}})
+
+
+@pytest.mark.parametrize("verify_tokens", [0, 4])
+def test_the_adapters_proposals_are_timed_through_the_adapter(verify_tokens):
+  """Its cost loops (alone, and each proposal after a verify call) run the draft the decode
+  call runs: the target's first layer and the adapter."""
+  from spec_decode.decoding import timing
+  target, tp, enc, _ = _setup()
+  adapter, params = _adapter(target, tp, perturb=0.1)
+  w = timing.Workload(target=target, target_params=tp, encoder_tokens=enc[:2],
+                      cache_length=L + 5, position=L // 2, draft=adapter, draft_params=params)
+  loop = LayerSkipDrafter(layers=1, adapter=True).proposal_loop(
+      w, gamma=3, steps=2, verify_tokens=verify_tokens)
+  assert np.all(np.isfinite(np.asarray(jax.block_until_ready(loop()))))

@@ -469,6 +469,7 @@ def test_draft_free_tiny(out):
   assert [r["temperature"] for r in rows] == [0.0] * 8
   for r in rows:
     assert r["tokens_per_call"] >= 1 and r["c"] > 0 and r["speedup"] > 0
+    assert r["c_in_loop"] >= 0  # the proposal after a verify call, minus the call
     assert r["speedup_fastest"] > 0 and r["predicted"] > 0
     assert r["draft_model"] == {"bigram table": "bigram", "small draft": "small",
                                 "layer skip 1 + exit adapter": "adapter"}.get(r["decoder"],

@@ -464,6 +464,26 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
 
 
 @pytest.mark.slow
+def test_gamma_choice_with_in_loop_costs(tmp_path):
+  """GammaChoice.in_loop_costs: c is the proposal's cost after a verify call (recorded as
+  such, beside the proposal's cost alone); the run reports both and its cost model charges
+  the in-loop one."""
+  out = str(tmp_path / "in_loop")
+  choose = ["ExperimentConfig.gamma_choice = @GammaChoice()", "GammaChoice.warmup_examples = 2",
+            "GammaChoice.fallback_below = None", "GammaChoice.in_loop_costs = True"]
+  summary = main.run([TOY], SMALL + ["NUM_EXAMPLES = 2"] + choose, out, show_progress=False)
+  choice = summary["gamma_selection"]
+  assert choice["c_in_loop"] is True and choice["c"] >= 0 and choice["c_alone"] > 0
+  spec = summary["decoders"]["speculative"]
+  assert spec["c_in_loop"] >= 0 and spec["c"] > 0
+  assert summary["timing"]["c_in_loop"] == spec["c_in_loop"]
+  text = main.format_summary(summary)
+  assert "c in the loop" in text and "(in the loop) measured on 2 warm-up examples" in text
+  with pytest.raises(ValueError, match="GammaChoice.in_loop_costs must be True or False"):
+    experiment.GammaChoice(in_loop_costs=1)
+
+
+@pytest.mark.slow
 def test_gamma_choice_falls_back_to_the_autoregressive_loop(tmp_path):
   """Where the measured costs predict a slowdown at every gamma (here forced by a threshold
   no pair reaches), the chosen gamma is 0: the speculative decoder runs the autoregressive

@@ -175,6 +175,11 @@ def format_summary(summary: dict) -> str:
     lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
                  f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "
                  f"{timing.get('target_step_seconds', 0) * 1e3:.2f} ms)")
+  if timing.get("c_in_loop") is not None:
+    lines.append(f"c in the loop {timing['c_in_loop']:.3f}: a proposal timed after a verify "
+                 "call (minus the verify call), per drafted token / T_p, where the draft's "
+                 "weights are read again after the target's went through the caches; the "
+                 "cost model charges it")
   if choice.get("fallback"):
     lines.append(f"gamma 0: {choice['fallback']}")
   elif choice:
@@ -186,7 +191,8 @@ def format_summary(summary: dict) -> str:
                       "gamma: the warm-up gamma kept, speculation checked to pay)"}.get(
                rule, "theory.optimal_gamma (Thm 3.8)")
     lines.append(f"gamma {choice['gamma']} was chosen by {how} from "
-                 f"alpha {choice['alpha']:.3f} and c {choice['c']:.3f} measured on "
+                 f"alpha {choice['alpha']:.3f} and c {choice['c']:.3f}"
+                 f"{' (in the loop)' if choice.get('c_in_loop') else ''} measured on "
                  f"{choice['warmup_examples']} warm-up examples; alpha and c above are from the "
                  "full run"
                  + (f"; Thm 3.8 would pick gamma {choice['thm_3_8']['gamma']}"

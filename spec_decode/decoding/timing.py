@@ -249,8 +249,8 @@ def _perturbed(tree, zero):
   return jax.tree.map(leaf, tree)
 
 
-def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int
-                  ) -> Callable[[], jax.Array]:
+def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int,
+                  verify_tokens: int = 0) -> Callable[[], jax.Array]:
   """A zero-argument function running `steps` proposals of gamma tokens of `drafter` in one
   jit (its `.steps` is `steps`): `drafter.init` on the workload's batch (outside the loop),
   then its own `propose` each iteration, with the cache filled to `position` and the
@@ -260,12 +260,21 @@ def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int
   with a traced zero added to one element of every state, token and key array, so no part
   of a proposal is invariant across iterations (XLA would hoist it out of the loop).
   Unsharded; the parameters in `decoding.run`'s layout (`models.base.decoding_params`).
+
+  verify_tokens n > 0: each iteration also runs the target on n tokens after the proposal
+  (its last committed token and the proposed ones), as the decoding loop's verify call
+  does, so the proposal runs on what that call leaves in the caches: a draft whose weights
+  the target's streamed weights evict from the CPU's last-level cache pays their reads from
+  memory in every proposal, which the proposal alone, timed in a loop of its own, does not
+  (`experiment.measure.step_costs(in_loop=True)` subtracts the verify call's own loop).
   """
+  if not isinstance(verify_tokens, int) or isinstance(verify_tokens, bool) or verify_tokens < 0:
+    raise ValueError(f"verify_tokens must be an int >= 0, got {verify_tokens!r}")
   w = workload
   tokens = runner.trim_padding(jnp.asarray(w.encoder_tokens))
   position = w.cache_length // 2 if w.position is None else w.position
   fn = _jitted_proposals(drafter, w.target, w.draft, w.sampling, gamma, steps, w.cache_length,
-                         position, compile_options.resolve(w.compiler_options))
+                         position, compile_options.resolve(w.compiler_options), verify_tokens)
   args = (base.decoding_params(w.target, w.target_params),
           base.decoding_params(w.draft, w.draft_params), tokens, jax.random.PRNGKey(0))
 
@@ -278,7 +287,7 @@ def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int
 
 @functools.lru_cache(maxsize=64)
 def _jitted_proposals(drafter, target, draft, sampling, gamma: int, steps: int, room: int,
-                      position: int, options=()):
+                      position: int, options=(), verify_tokens: int = 0):
   """One jitted loop of `steps` proposals per setting (see `proposal_loop`): equal settings
   and shapes share a compile."""
 
@@ -293,16 +302,28 @@ def _jitted_proposals(drafter, target, draft, sampling, gamma: int, steps: int, 
     committed = Committed(tokens=jnp.full((B, room), 2, jnp.int32),
                           length=jnp.full((B,), position, jnp.int32), it=jnp.int32(1))
     keys = jax.vmap(lambda k: jax.random.split(k, gamma))(ctx.keys(0))  # [B, gamma, key]
+    target_cache = None
+    if verify_tokens:
+      target_cache = ctx.start_cache("target", room).rewind(
+          jnp.full((B,), position, jnp.int32))
 
     def body(_, carry):
-      state, committed, keys, z = carry
+      state, committed, keys, target_cache, z = carry
       zero = (z > 3e38).astype(jnp.int32)  # 0, but not known to be 0
       state, committed, keys = _perturbed((state, committed, keys), zero)
       proposal, state = drafter.propose(ctx, state, committed, keys, gamma)
       z = z + 1e-30 * jnp.sum(proposal.tokens.astype(jnp.float32))
-      return state, committed, keys, z
+      if verify_tokens:  # the verify call, on the proposal (after it, as in the loop)
+        tokens = jnp.concatenate([committed.token_at(committed.length)[:, None],
+                                  proposal.tokens], axis=1)[:, :verify_tokens]
+        tokens = jnp.pad(tokens, ((0, 0), (0, verify_tokens - tokens.shape[1])))
+        out = target.decode(ctx.target_params, target_cache, tokens)
+        target_cache = out.cache.rewind(target_cache.lengths)
+        z = z + 1e-30 * jnp.sum(out.logits[:, -1, :1])
+      return state, committed, keys, target_cache, z
 
-    return jax.lax.fori_loop(0, steps, body, (state, committed, keys, jnp.float32(0)))[-1]
+    return jax.lax.fori_loop(0, steps, body,
+                             (state, committed, keys, target_cache, jnp.float32(0)))[-1]
 
   return jax.jit(run, compiler_options=dict(options) or None)
 

@@ -58,6 +58,11 @@ class GammaChoice:
   round) is below this (default 1.0: speculation must have paid on the warm-up). None or
   timing_rounds 0 skips the check, as does a config without a baseline; fallback_below
   None skips both checks. The timed decodes compile what the run then uses.
+  in_loop_costs: c is the proposal's cost where the decoding loop runs it, each proposal
+  timed after a verify call (`measure.step_costs(in_loop=True)`), instead of in a loop of
+  its own; for drafts whose weights the target's evict from the CPU's caches (layer
+  skipping, an exit adapter: the target's own layers). The run's step costs then report
+  both (c_in_loop), and its cost model charges the in-loop one.
   """
   decoder: str = "speculative"
   rule: str = "cost_model"
@@ -67,6 +72,7 @@ class GammaChoice:
   fallback_below: float | None = 1.1
   measured_fallback_below: float | None = 1.0
   timing_rounds: int = 2
+  in_loop_costs: bool = False
 
   def __post_init__(self):
     if not isinstance(self.decoder, str) or not self.decoder:
@@ -82,6 +88,9 @@ class GammaChoice:
                             or not math.isfinite(f) or f <= 0):
         raise ValueError(f"GammaChoice.{name} must be a finite speedup > 0 or None, "
                          f"got {f!r}")
+    if not isinstance(self.in_loop_costs, bool):
+      raise ValueError(f"GammaChoice.in_loop_costs must be True or False, got "
+                       f"{self.in_loop_costs!r}")
     if not _is_int(self.timing_rounds) or self.timing_rounds < 0:
       raise ValueError(f"GammaChoice.timing_rounds must be an int >= 0, got "
                        f"{self.timing_rounds!r}")

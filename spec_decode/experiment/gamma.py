@@ -77,10 +77,12 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
     measured = gc.rule == "cost_model"
     max_gamma = min(gc.max_gamma, cfg.decode_len)  # no call keeps more than decode_len tokens
     steps = measure.measure_step_times(s, repeats=cfg.step_timing_repeats, verify_tokens=(
-        verify_probe_tokens(max_gamma) if measured else ()))
-    c = steps["c_by_decoder"][gc.decoder]
+        verify_probe_tokens(max_gamma) if measured else ()), in_loop=gc.in_loop_costs)
+    c = steps["c_in_loop_by_decoder" if gc.in_loop_costs else "c_by_decoder"][gc.decoder]
     thm_gamma = int(theory.optimal_gamma(alpha, c, max_gamma=max_gamma))
     choice = {"rule": gc.rule, "alpha": alpha, "c": c, "warmup_examples": len(warmup),
+              **({"c_in_loop": True, "c_alone": steps["c_by_decoder"][gc.decoder]}
+                 if gc.in_loop_costs else {}),
               "thm_3_8": {"gamma": thm_gamma, "predicted_speedup": float(
                   theory.walltime_improvement(alpha, thm_gamma, c))}}
     if measured:

@@ -28,7 +28,8 @@ from spec_decode.models import base, t5
 
 def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algorithm], *,
                drafts: Mapping[str, tuple[Any, Any]] | None = None, verify_tokens=(),
-               repeats: int, inner: int = 1, steps: int = 8) -> dict[str, Any]:
+               repeats: int, inner: int = 1, steps: int = 8,
+               in_loop: bool = False) -> dict[str, Any]:
   """Step costs of decoders on one batch, as their loops run them: every cost the marginal
   cost of one more call inside a jitted loop, all timed in the same interleaved rounds
   (`timing.interleaved`), so ratios are taken within a round.
@@ -43,6 +44,14 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   the same ratios taken within each round (their noise). target_loop: the target's step
   loop (what it reads: `costs.decode_bytes`). drafts: {name: (draft model, params)} of
   decoders whose draft is not the workload's.
+
+  in_loop: also time each drafting decoder's proposals each followed by its verify call
+  (K + 1 tokens; `Drafter.proposal_loop(verify_tokens=...)`), giving c_in_loop[name] =
+  (that loop's cost - the verify call's) / (gamma T_p), floored at 0: a proposal's cost
+  where the decoding loop runs it, after the target's weights went through the caches. A
+  draft whose weights fit the CPU's last-level cache alone but not beside the target's
+  (measured: the big EnDe target's first layer and an exit adapter, 14 MB beside 52 MB
+  with a 32 MB L3) costs more there than in its own loop.
   """
   sizes = sorted({a.max_proposal + 1 for a in decoders.values() if a.max_proposal is not None}
                  | set(verify_tokens))
@@ -56,6 +65,11 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
       w = dataclasses.replace(workload, draft=drafts[name][0], draft_params=drafts[name][1])
     loops[f"proposal:{name}"] = timing.marginal_pair(
         lambda k, a=a, w=w: a.drafter.proposal_loop(w, gamma=a.gamma, steps=k), steps)
+    if in_loop:
+      loops[f"proposal+verify:{name}"] = timing.marginal_pair(
+          lambda k, a=a, w=w: a.drafter.proposal_loop(w, gamma=a.gamma, steps=k,
+                                                      verify_tokens=a.max_proposal + 1),
+          steps)
   for n in sizes:
     loops[f"verify:{n}"] = target(n)
   t = timing.interleaved(loops, repeats=repeats, inner=inner)
@@ -63,7 +77,14 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   spreads = {name: timing.spread(v) for name, v in t.items()}
   median = lambda name: spreads[name]["median"]
   per_round = lambda num, scale=1.0: timing.spread([a / (scale * b) for a, b in zip(num, t_p)])
+  out = {}
+  if in_loop:
+    out["proposal_in_loop"] = {n: spreads[f"proposal+verify:{n}"] for n in drafting}
+    out["c_in_loop"] = {
+        n: max(0.0, median(f"proposal+verify:{n}") - median(f"verify:{a.max_proposal + 1}"))
+        / (a.gamma * median("target")) for n, a in drafting.items()}
   return {
+      **out,
       "target_step": spreads["target"],
       "proposal": {n: spreads[f"proposal:{n}"] for n in drafting},
       "verify": {n: spreads[f"verify:{n}"] for n in sizes},
@@ -75,12 +96,14 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
       "target_loop": loops["target"][0]}
 
 
-def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=()) -> dict[str, Any]:
+def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=(),
+                       in_loop: bool = False) -> dict[str, Any]:
   """The run's step costs on its first batch (`step_costs`, medians), as results.json keeps
   them: target_step_seconds T_p; per decoder that drafts proposal_seconds[name] and
   c_by_decoder[name]; for the primary decoder draft_step_seconds (its cost per drafted
   token) and c, verify_seconds and verify_ratio (T_verify(K + 1) / T_p);
-  verify_ratio_by_tokens[n] for every n measured (see `step_costs`)."""
+  verify_ratio_by_tokens[n] for every n measured (see `step_costs`). in_loop: also
+  c_in_loop_by_decoder[name] and the primary's c_in_loop (`step_costs(in_loop=True)`)."""
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
   enc, _ = setup.inputs(s, batch, rows=cfg.batch_size)  # a refilled loop runs at one batch
@@ -94,16 +117,21 @@ def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=()) -> dic
       sampling=cfg.sampling, mesh=s.mesh, rules=rules,
       draft_rules=partitioning.data_parallel_rules(rules) if s.mesh is not None else None,
       compiler_options=cfg.compiler_options)
-  costs = step_costs(workload, algorithms, verify_tokens=verify_tokens, repeats=repeats)
+  costs = step_costs(workload, algorithms, verify_tokens=verify_tokens, repeats=repeats,
+                     in_loop=in_loop)
   out: dict[str, Any] = {"target_step_seconds": costs["target_step"]["median"]}
   if costs["proposal"]:
     out["proposal_seconds"] = {k: v["median"] for k, v in costs["proposal"].items()}
     out["c_by_decoder"] = dict(costs["c"])
+  if in_loop and costs["proposal"]:
+    out["c_in_loop_by_decoder"] = dict(costs["c_in_loop"])
   primary = cfg.primary
   if primary in costs["proposal"]:
     gamma = algorithms[primary].gamma
     out.update(draft_step_seconds=costs["proposal"][primary]["median"] / gamma,
                c=costs["c"][primary])
+    if in_loop:
+      out["c_in_loop"] = costs["c_in_loop"][primary]
   out["verify_ratio_by_tokens"] = {str(n): v for n, v in costs["verify_ratio"].items()}
   K = algorithms[primary].max_proposal if primary is not None else None
   if K is not None:

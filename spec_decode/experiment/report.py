@@ -75,11 +75,16 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
   proposal = step_times.get("proposal_seconds", {}).get(name)
   size = algo.max_proposal
   ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
+  in_loop = step_times.get("c_in_loop_by_decoder", {}).get(name)
+  if in_loop is not None and size:  # the proposal's cost where the loop runs it
+    proposal = in_loop * algo.gamma * t_p
   model = None
   if alpha is not None and not math.isnan(alpha) and None not in (proposal, t_p, ratio):
     model = algo.cost_model(alpha=alpha, draft_cost=proposal / t_p, verify_ratio=ratio,
                             counters=_summed(stats))
   d["c"] = step_times.get("c_by_decoder", {}).get(name)
+  if in_loop is not None:
+    d["c_in_loop"] = in_loop
   d["cost_model"] = model  # None where the algorithm declares none (or alpha is unknown)
   d["speedup_predicted"] = model["thm_3_8"] if model else None
   d["cost_model_speedup"] = model["cost_model"] if model else None

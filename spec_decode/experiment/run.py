@@ -193,7 +193,9 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
                 if not todo and jax.process_count() == 1 else None)
   if step_times is None:
     say("measuring the step costs of the target and each decoder's proposal (c)")
-    step_times = measure.measure_step_times(s, repeats=config.step_timing_repeats)
+    step_times = measure.measure_step_times(
+        s, repeats=config.step_timing_repeats,
+        in_loop=config.gamma_choice is not None and config.gamma_choice.in_loop_costs)
   if not setup.is_writer():
     return {}
   rows = results.read_rows(path)

@@ -5,7 +5,8 @@ drafter also says what it costs and what it is expected to yield, for the cost m
 of `Speculative` and the experiments' measurements:
 
   proposal_loop(workload, gamma, steps)   its proposals in a jitted loop, for the shared
-                                          loop timer (`timing.interleaved`)
+                                          loop timer (`timing.interleaved`); with
+                                          verify_tokens, each followed by a verify call
   proposal_seconds(workload, gamma)       the marginal seconds of one proposal
   expected_tokens(alpha, gamma, counters) E[tokens per target call], or None
 """
@@ -73,11 +74,14 @@ class Drafter:
     return state
 
   # ------------------------------------------------------------------ cost and yield
-  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int):
+  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int,
+                    verify_tokens: int = 0):
     """A zero-argument function running `steps` proposals of gamma tokens in one jit (its
     `.steps` is `steps`), for the shared loop timer: by default this drafter's own
-    `propose` (`timing.proposal_loop`)."""
-    return timing.proposal_loop(self, workload, gamma=gamma, steps=steps)
+    `propose` (`timing.proposal_loop`); with verify_tokens n, each followed by a target call
+    on n tokens (the proposal's cost where the decoding loop runs it)."""
+    return timing.proposal_loop(self, workload, gamma=gamma, steps=steps,
+                                verify_tokens=verify_tokens)
 
   def proposal_seconds(self, workload: timing.Workload, *, gamma: int, steps: int = 8,
                        repeats: int = 10) -> float:

@@ -121,10 +121,16 @@ class LayerSkipDrafter(ModelDrafter):
   def propose(self, ctx, cache, committed, keys_BK, num: int, forced=None):
     return super().propose(self._draft_ctx(ctx), cache, committed, keys_BK, num, forced=forced)
 
-  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int):
-    """gamma single-token steps of the truncated target per proposal (see ModelDrafter)."""
+  def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int,
+                    verify_tokens: int = 0):
+    """gamma single-token steps of the truncated target per proposal (see ModelDrafter);
+    with verify_tokens, this drafter's own proposals each followed by a target call."""
+    if verify_tokens:
+      return timing.proposal_loop(self, workload, gamma=gamma, steps=steps,
+                                  verify_tokens=verify_tokens)
     model, params = self._shallow(workload.target, workload.target_params, workload.draft,
                                   workload.draft_params)
     shallow = dataclasses.replace(workload, draft=model, draft_params=params,
                                   draft_rules=workload.rules)
-    return super().proposal_loop(shallow, gamma=gamma, steps=steps)
+    return super().proposal_loop(shallow, gamma=gamma, steps=steps,
+                                 verify_tokens=verify_tokens)

@@ -51,10 +51,14 @@ class ModelDrafter(Drafter):
     logits = jnp.where(first[:, None], out.logits[:, 0], out.logits[:, 1])
     return logits, out.cache.rewind(jnp.where(first, 1, m + 1))
 
-  def proposal_loop(self, workload, *, gamma: int, steps: int):
+  def proposal_loop(self, workload, *, gamma: int, steps: int, verify_tokens: int = 0):
     """gamma single-token steps of the draft model per proposal: the paper's cost gamma T_q,
     so c = T_q / T_p (a proposal's first call feeds two tokens, which on the targets'
-    scale costs about one step)."""
+    scale costs about one step). With verify_tokens, the drafter's own proposals, each
+    followed by a target call (`timing.proposal_loop`)."""
+    if verify_tokens:
+      return super().proposal_loop(workload, gamma=gamma, steps=steps,
+                                   verify_tokens=verify_tokens)
     loop = workload.decode_loop("draft", num_tokens=1, steps=gamma * steps)
     loop.steps = steps
     return loop
