@@ -478,7 +478,8 @@ def test_gamma_choice_with_in_loop_costs(tmp_path):
   assert spec["c_in_loop"] >= 0 and spec["c"] > 0
   assert summary["timing"]["c_in_loop"] == spec["c_in_loop"]
   text = main.format_summary(summary)
-  assert "c in the loop" in text and "(in the loop) measured on 2 warm-up examples" in text
+  assert "(in the loop) measured on 2 warm-up examples" in text
+  assert f"and c in the loop {spec['c_in_loop']:.3f} (below)" in text
   with pytest.raises(ValueError, match="GammaChoice.in_loop_costs must be True or False"):
     experiment.GammaChoice(in_loop_costs=1)
 

@@ -159,8 +159,10 @@ def format_summary(summary: dict) -> str:
   lines.append(f"measured speedup {_x(summary.get('speedup_measured'))}: autoregressive / "
                "speculative decode time, summed over batches, compilation excluded")
   if summary.get("speedup_predicted") is not None:
+    charged = ("c in the loop", timing["c_in_loop"]) if timing.get("c_in_loop") is not None \
+        else ("c", c)
     lines.append(f"predicted speedup {_x(summary['speedup_predicted'])}: Thm 3.8 from alpha "
-                 f"{summary['alpha']:.3f} and c {c:.3f} (below)")
+                 f"{summary['alpha']:.3f} and {charged[0]} {charged[1]:.3f} (below)")
   if summary.get("cost_model_speedup") is not None and timing.get("verify_ratio"):
     lines.append(f"cost model {_x(summary['cost_model_speedup'])}: E[tokens] / (gamma c + "
                  f"T_verify(gamma+1) / T_p), charging the measured verify cost "

@@ -76,7 +76,7 @@ def _decoder_summary(cfg, name: str, done: Sequence[dict], seconds: Mapping[str,
   size = algo.max_proposal
   ratio = step_times.get("verify_ratio_by_tokens", {}).get(str(size + 1)) if size else None
   in_loop = step_times.get("c_in_loop_by_decoder", {}).get(name)
-  if in_loop is not None and size:  # the proposal's cost where the loop runs it
+  if in_loop is not None and size and t_p is not None:  # its cost where the loop runs it
     proposal = in_loop * algo.gamma * t_p
   model = None
   if alpha is not None and not math.isnan(alpha) and None not in (proposal, t_p, ratio):
