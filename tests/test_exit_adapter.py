@@ -189,3 +189,11 @@ def test_the_adapters_proposals_are_timed_through_the_adapter(verify_tokens):
   loop = LayerSkipDrafter(layers=1, adapter=True).proposal_loop(
       w, gamma=3, steps=2, verify_tokens=verify_tokens)
   assert np.all(np.isfinite(np.asarray(jax.block_until_ready(loop()))))
+
+
+def test_refilled_self_speculation_with_an_adapter_equals_autoregressive():
+  """A dataset decoded in 3 refilled slots: each row is what it decodes alone (greedy)."""
+  target, tp, enc, ar = _setup()
+  got = _run(target, tp, enc, *_adapter(target, tp, perturb=0.05, seed=3), refill_batch=3)
+  np.testing.assert_array_equal(got.tokens, ar.tokens)
+  np.testing.assert_array_equal(got.lengths, ar.lengths)
