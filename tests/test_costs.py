@@ -221,3 +221,11 @@ def test_report_charges_the_in_loop_cost_when_measured():
   assert d["cost_model_speedup"] == pytest.approx(
       float(theory.expected_tokens(0.8, 2)) / (2 * 0.35 + 1.5))
   assert d["c"] == 0.2 and d["c_in_loop"] == 0.35
+
+
+def test_in_loop_costs_are_refused_for_sharded_runs():
+  import dataclasses
+  w = dataclasses.replace(_workload("model"), mesh=object())  # never reached: refused first
+  with pytest.raises(ValueError, match="unsharded runs only"):
+    experiment.step_costs(w, {"chain": decoding.Speculative(gamma=2)}, repeats=1,
+                          in_loop=True)

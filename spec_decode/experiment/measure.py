@@ -53,6 +53,9 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   (measured: the big EnDe target's first layer and an exit adapter, 14 MB beside 52 MB
   with a 32 MB L3) costs more there than in its own loop.
   """
+  if in_loop and workload.mesh is not None:
+    raise ValueError("proposal costs in the loop (in_loop=True, GammaChoice.in_loop_costs) are "
+                     "measured on unsharded runs only (mesh=None)")
   sizes = sorted({a.max_proposal + 1 for a in decoders.values() if a.max_proposal is not None}
                  | set(verify_tokens))
   target = lambda n: timing.marginal_pair(

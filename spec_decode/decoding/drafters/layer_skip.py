@@ -132,5 +132,4 @@ class LayerSkipDrafter(ModelDrafter):
                                   workload.draft_params)
     shallow = dataclasses.replace(workload, draft=model, draft_params=params,
                                   draft_rules=workload.rules)
-    return super().proposal_loop(shallow, gamma=gamma, steps=steps,
-                                 verify_tokens=verify_tokens)
+    return super().proposal_loop(shallow, gamma=gamma, steps=steps)
