@@ -103,9 +103,8 @@ def test_training_states_are_the_drafts_decode():
   adapter, params = _adapter(target, tp, perturb=0.5, seed=7)
   dec_in = np.concatenate([np.zeros((enc.shape[0], 1), np.int32),
                            np.asarray(ar.tokens)[:, :-1]], axis=1)
-  encoded, hidden, _ = target_features(target, tp, enc, dec_in, (0,))
-  D = target.config.emb_dim
-  states = recipe.adapted_states(adapter, params, target, tp, encoded, hidden[..., D:])
+  encoded, _, _ = target_features(target, tp, enc, dec_in)
+  states = recipe.adapted_states(adapter, params, target, tp, encoded, dec_in)
   draft, dp = adapter.draft(target), adapter.draft_params(tp, params)
   out = draft.decode(dp, draft.init_cache(dp, draft.encode(dp, enc), dec_in.shape[1]), dec_in)
   np.testing.assert_allclose(states, out.hidden, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.decoding.drafters.layer_skip import truncated, truncated_params
 from spec_decode.heads.eagle import check_feature_target
 from spec_decode.models import base, t5
 
@@ -63,10 +64,6 @@ class ExitAdapterConfig:
     """An adapter after this target's first `layers` decoder layers, of its layers' shape."""
     fields = {f: getattr(target_config, f) for f in _SHAPE_FIELDS}
     return cls(layers=layers, **{**fields, "dtype": target_config.dtype, **overrides})
-
-  def draft_config(self, target_config: t5.T5Config) -> t5.T5Config:
-    """The T5 the draft is: the target's config with layers + 1 decoder layers."""
-    return target_config.replace(num_decoder_layers=self.layers + 1)
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -137,17 +134,14 @@ class ExitAdapter(base.ParamSpecs):
   # ------------------------------------------------------------------ the draft model
   def draft(self, target: t5.T5) -> t5.T5:
     """The draft: a T5 of the target's settings with layers + 1 decoder layers."""
-    return t5.T5(self.config.draft_config(target.config), stream_params=target.stream_params,
-                 kernel_weights=target.kernel_weights)
+    return truncated(target, self.layers + 1)
 
   def draft_params(self, target_params, params) -> dict:
     """The draft's parameters: the target's (the same leaves, no copy) without decoder layers
     `layers` .., the adapter as decoder layer `layers`."""
-    k = self.layers
-    keep = lambda n: not (n.startswith("layers_") and int(n[len("layers_"):]) >= k)
-    decoder = {n: v for n, v in target_params["decoder"].items() if keep(n)}
-    decoder[f"layers_{k}"] = params["layers_0"]
-    return {**target_params, "decoder": decoder}
+    shallow = truncated_params(target_params, self.layers)
+    return {**shallow, "decoder": {**shallow["decoder"],
+                                   f"layers_{self.layers}": params["layers_0"]}}
 
 
 head_checkpoints.register("exit_adapter", ExitAdapter, what="an exit adapter",

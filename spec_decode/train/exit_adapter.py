@@ -2,11 +2,12 @@
 
     python -m spec_decode.cli.train --gin_file=configs/demo/ende_exit_adapter.gin
 
-The frozen target is run teacher-forced on each batch's decoder inputs, giving the residual
-stream l after its decoder layer k - 1 and its next-token laws p. The adapter (one T5
-decoder block of the target's layer shape, `heads.exit_adapter`) runs on l, causal over the
-sequence and cross-attending to the target's encoder output, with the target's relative-
-position bias; the target's frozen final norm and LM head read its output:
+The frozen target is run teacher-forced on each batch's decoder inputs, giving its encoder
+output and its next-token laws p. The draft (`ExitAdapter.draft`: the target's first k
+decoder layers, then the adapter, one T5 decoder block of the target's layer shape, then the
+target's frozen final norm and LM head) decodes the same inputs on that encoder output; the
+adapter's block reads the stream l after target layer k - 1 (its first k layers are the
+target's, recomputed: 1/L of the target's decoder, no gradient reaches them):
 
   loss = KL(p || softmax(LM(final_norm(adapter(l)))))     (weighted mean over real tokens)
 
@@ -55,29 +56,21 @@ class ExitAdapterTrainConfig(HeadTrainConfig):
 
 
 def adapted_states(adapter: exit_adapter.ExitAdapter, params, target: t5.T5, target_params,
-                   encoded: t5.EncoderOutput, stream_BTD):
-  """The adapter's final-normed states [B, T, D] on the target's layer-k stream, teacher-
-  forced from an empty cache (what the draft's layer k and final norm compute)."""
-  c = target.config
-  B, T, _ = stream_BTD.shape
-  dec = target_params["decoder"]
-  bias, mask = target.self_attention_geometry(dec["relpos_bias"]["rel_embedding"],
-                                              jnp.zeros((B,), jnp.int32), T, T)
-  empty_k, empty_v = t5.empty_self_kv(c, B, T)
-  cross_k, cross_v = target.cross_kv(params["layers_0"], encoded.hidden)
-  cross_mask = jnp.broadcast_to(encoded.mask[:, None, :], (B, T, encoded.mask.shape[1]))
-  x, _, _ = target.decoder_layer(params["layers_0"], stream_BTD.astype(c.dtype), empty_k,
-                                 empty_v, jnp.zeros((B,), jnp.int32), bias, mask, cross_k,
-                                 cross_v, cross_mask)
-  return t5._rms_norm(x, dec["decoder_norm"]["scale"], c.layer_norm_epsilon)
+                   encoded: t5.EncoderOutput, decoder_inputs):
+  """The draft's final-normed states [B, T, D], teacher-forced from an empty cache on the
+  target's encoder output: the draft model itself (`ExitAdapter.draft`, the target's first
+  layers and the adapter) decoding, so training computes what drafting computes."""
+  draft, dp = adapter.draft(target), adapter.draft_params(target_params, params)
+  cache = draft.init_cache(dp, encoded, decoder_inputs.shape[1])
+  return draft.decode(dp, cache, decoder_inputs).hidden
 
 
 def loss_fn(adapter: exit_adapter.ExitAdapter, params, target: t5.T5, target_params, batch):
   """(loss, metrics) of one teacher-forced batch (module doc): KL to the target's laws."""
-  D = target.config.emb_dim
-  encoded, hidden, logp = target_features(target, target_params, batch["encoder_tokens"],
-                                          batch["decoder_inputs"], (adapter.layers - 1,))
-  states = adapted_states(adapter, params, target, target_params, encoded, hidden[..., D:])
+  encoded, _, logp = target_features(target, target_params, batch["encoder_tokens"],
+                                     batch["decoder_inputs"])
+  states = adapted_states(adapter, params, target, target_params, encoded,
+                          batch["decoder_inputs"])
   terms = distill_terms(target, target_params, states, logp, batch["weights"])
   metrics = dict(terms, loss=terms["kl"], tokens=jnp.sum(batch["weights"]))
   return terms["kl"], metrics
