@@ -1,6 +1,7 @@
 r"""Reproduces the paper's Tables 1-5 and writes them next to the paper's numbers.
 
-  python -m experiments.reproduce --table 2                 # demo scale (CPU, demo_models/)
+  python -m experiments.reproduce --table 2                 # demo scale, the big demo targets
+  python -m experiments.reproduce --table 2 --demo_targets small   # the 3.7M demo targets
   python -m experiments.reproduce --table 1,2,3,4,5 --scale tiny   # seconds; CI smoke run
   python -m experiments.reproduce --table 2,4 --scale paper \
       --checkpoints ende_target=gs://B/xxl_ende/checkpoint_N,ende_small=gs://B/small_ende/... \
@@ -14,6 +15,15 @@ Tables:
      only, gamma as in the paper's configs).
   4  Table 2's runs with the measured c and Theorem 3.8's prediction.
   5  alpha under lenience l = 1, 0.5, 0.3, 0.1 (EnDe, t = 1).
+At the demo scale the targets are the big demo targets (T5.1.1-small-shaped, 45.6M) by
+default, and the paper's drafts map to demo models of about the paper's size ratios: T5-small
+(1/144 of T5-XXL) -> demo small (1/104), T5-base (1/45) -> demo base (1/56), T5-large (1/14)
+-> the 3.7M demo target (1/12); Table 3 adds the demo large (1/24) and the distilled small.
+gamma: by default the speculative runs of Tables 2 and 4 at the demo scale choose their gamma
+from warm-up measurements (`GammaChoice`, as the main job does) and the table shows it next
+to the paper's; --gamma paper runs the paper's gamma. With --demo_targets small (the 3.7M
+targets, where a CPU step is bound by launching kernels) the drafts are the demo small, base
+and large, at the paper's gamma.
 Every model row is one `spec_decode.main` experiment (see experiments/setups.py
 for what each scale runs); rows shared between tables run once. Run
 directories go to --runs_dir (resumable: a rerun reuses finished examples), the
@@ -41,6 +51,9 @@ DEFAULT_RUNS_DIR = "/tmp/spec_decode_reproduce"
 DRAFT_LABELS = {"small": "T5-small", "base": "T5-base", "large": "T5-large",
                 "unigram": "unigram", "bigram": "bigram",
                 "small_distilled": "T5-small distilled (ours; not in the paper)"}
+# The demo model standing in for each paper draft of a big demo target, by size ratio.
+BIG_TARGET_DRAFTS = {"small": "small", "base": "base", "large": "target"}
+GAMMA_RULES = ("paper", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +78,21 @@ class Row:
   jobs: dict
 
 
+def _big(args) -> bool:
+  return args.scale == "demo" and args.demo_targets == "big"
+
+
+def _ours(args, draft: str) -> str:
+  """The draft that stands in for the paper's `draft` (see the module doc)."""
+  return BIG_TARGET_DRAFTS.get(draft, draft) if _big(args) else draft
+
+
 def _setup(args, task: str, draft: str, *, temperature: float, **row) -> setups.Setup:
+  demo_target = None
+  if args.scale == "demo":
+    demo_target = setups.DEMO_TARGETS[args.demo_targets].format(task=task)
   s = setups.experiment_setup(args.scale, task, draft, temperature=temperature,
-                              demo_dir=args.demo_models,
+                              demo_dir=args.demo_models, demo_target=demo_target,
                               checkpoints=setups.parse_checkpoints(args.checkpoints))
   extra = setups.row_bindings(temperature=float(temperature), num_examples=args.num_examples,
                               step_timing_repeats=args.step_timing_repeats,
@@ -76,14 +101,15 @@ def _setup(args, task: str, draft: str, *, temperature: float, **row) -> setups.
 
 
 def _job(args, task, draft, temperature, gamma, *, lenience=None, baseline=True) -> Job:
-  name = f"{task}_{draft}_t{temperature:g}_g{gamma}" + \
+  """The run of `draft` (already mapped by `_ours`) at `gamma` (None: chosen by the run)."""
+  name = f"{task}_{draft}_t{temperature:g}_g{'auto' if gamma is None else gamma}" + \
       (f"_l{lenience:g}" if lenience is not None else "") + ("" if baseline else "_alpha")
   examples = args.num_examples
   if examples is None and args.scale == "demo":
     examples = 50 if baseline else 100
   s = _setup(dataclasses.replace(args, num_examples=examples), task, draft,
-             temperature=temperature, gamma=gamma, lenience=lenience,
-             run_baseline=None if baseline else False)
+             temperature=temperature, gamma=gamma, choose_gamma=gamma is None,
+             lenience=lenience, run_baseline=None if baseline else False)
   return Job(name, s)
 
 
@@ -98,20 +124,28 @@ def plan(table: int, args) -> list[Row]:
     for task, draft, t, g, alpha, c, pred, speed in paper_tables.TABLE4:
       cells = dict(task=setups.TASK_LABELS[task], draft=DRAFT_LABELS[draft], temp=t, gamma=g,
                    paper_alpha=alpha, paper_speed=speed, paper_c=c, paper_predicted=pred)
-      rows.append(Row(f"{task}_{draft}_t{t}", cells, {"run": _job(args, task, draft, t, g)}))
+      run_gamma = None if args.gamma == "auto" else g
+      rows.append(Row(f"{task}_{draft}_t{t}", cells,
+                      {"run": _job(args, task, _ours(args, draft), t, run_gamma)}))
   elif table == 3:
     # Each task's distilled small draft (DistillSpec-style) follows its paper rows.
+    # Each task's distilled small draft (DistillSpec-style) follows its paper rows; with the
+    # big targets the demo large (1/24 of them, between the paper's base and large) too.
     table3 = []
+    extra = ("large_demo", "small_distilled") if _big(args) else ("small_distilled",)
     for row in paper_tables.TABLE3:
       table3.append(row)
       if row[1] is not None and row[2] == "large":
-        table3.append((row[0], row[1], "small_distilled", None, None))
+        table3 += [(row[0], row[1], d, None, None) for d in extra]
     for target, task, draft, a0, a1 in table3:
-      cells = dict(target=target, draft=DRAFT_LABELS.get(draft, draft), paper_t0=a0, paper_t1=a1)
+      label = "demo large (ours; not in the paper)" if draft == "large_demo" else \
+          DRAFT_LABELS.get(draft, draft)
+      cells = dict(target=target, draft=label, paper_t0=a0, paper_t1=a1)
       jobs = {}
       if task is not None:
-        paper_draft = "small" if draft == "small_distilled" else draft
-        jobs = {f"t{t}": _job(args, task, draft, t,
+        paper_draft = {"small_distilled": "small", "large_demo": "large"}.get(draft, draft)
+        ours = "large" if draft == "large_demo" else _ours(args, draft)
+        jobs = {f"t{t}": _job(args, task, ours, t,
                               paper_tables.paper_gamma(task, paper_draft, t), baseline=False)
                 for t in (0, 1)}
       rows.append(Row(f"{task or target}_{draft}", cells, jobs))
@@ -121,7 +155,8 @@ def plan(table: int, args) -> list[Row]:
       jobs = {}
       for l, a in zip(paper_tables.LENIENCES, alphas):
         cells[f"paper_l{l:g}"] = a
-        jobs[f"l{l:g}"] = _job(args, "ende", draft, 1, paper_tables.paper_gamma("ende", draft, 1),
+        jobs[f"l{l:g}"] = _job(args, "ende", _ours(args, draft), 1,
+                               paper_tables.paper_gamma("ende", draft, 1),
                                lenience=None if l == 1.0 else l, baseline=False)
       rows.append(Row(draft, cells, jobs))
   else:
@@ -208,8 +243,8 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
   if table in (2, 4):
     cols = [Column("task", "task"), Column("draft", "draft (paper)"),
             Column("target_ours", "target / draft (ours)"), Column("temp", "temp"),
-            Column("gamma", "gamma"), Column("paper_alpha", "alpha (paper)", a2),
-            Column("alpha", "alpha (ours)", a2)]
+            Column("gamma", "gamma (paper)"), Column("gamma_ours", "gamma (ours)"),
+            Column("paper_alpha", "alpha (paper)", a2), Column("alpha", "alpha (ours)", a2)]
     if table == 4:
       cols += [Column("paper_c", "c (paper)", a2), Column("c", "c (ours)", lambda v: fmt(v, 3)),
                Column("paper_predicted", "predicted (paper)", lambda v: fmt(v, 1, "X")),
@@ -224,15 +259,17 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
     cols += [Column("examples", "examples"), Column("note", "note")]
     for row in rows:
       labels = [get(row, "run", f"experiment.{r}.name") for r in ("target", "draft")]
-      g = row.cells["gamma"]
+      # The run's own gamma: the paper's, or the one its warm-up chose (0: it fell back to
+      # the autoregressive loop).
+      g = get(row, "run", "experiment.decoders.speculative.gamma")
       alpha, c, r = (get(row, "run", k) for k in ("alpha", "timing.c", "timing.verify_ratio"))
       run_costs = dict(c_run=c, verify_ratio_run=r,
                        predicted_run=get(row, "run", "speedup_predicted"))
       predicted = cost = None
-      if None not in (alpha, c, r) and not np.isnan(alpha):
+      if None not in (g, alpha, c, r) and g > 0 and not np.isnan(alpha):
         predicted = float(theory.walltime_improvement(alpha, g, c))
         cost = float(theory.expected_tokens(alpha, g)) / (g * c + r)
-      out.append(dict(row.cells, alpha=alpha, cost_model=cost, **run_costs,
+      out.append(dict(row.cells, gamma_ours=g, alpha=alpha, cost_model=cost, **run_costs,
                       alpha_observed=get(row, "run", "alpha_observed"),
                       c=c, predicted=predicted, verify_ratio=r,
                       speed=get(row, "run", "speedup_measured"),
@@ -244,14 +281,19 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
     notes = ["alpha (ours) = mean over decided draft positions of sum_x min(p, q) (the paper's "
              "definition, on the speculative output, which is distributed as the target's); "
              "speed = autoregressive seconds / speculative seconds on the same examples, "
-             "batch as configured, both timed after compilation in one process."]
+             "batch as configured, both timed after compilation in one process.",
+             "gamma (ours): the gamma the run decoded with: the paper's, or (--gamma auto) the "
+             "one the run chose from its warm-up measurements (`GammaChoice`: the cost model "
+             "at the measured alpha, c and verify costs, then checked by timing both "
+             "decoders on the warm-up examples; 0 means it fell back to the autoregressive "
+             "loop)."]
     if table == 4:
       notes.append(
           "c (ours) and T_verify/T_p (ours): the run's own, measured as every driver measures "
           "them (`experiment.measure.step_costs`: the marginal cost of one more single-token "
           "or (gamma+1)-token call in a jitted loop, target and draft timed in the same "
           "interleaved rounds, c the ratio of the medians) on its first batch."
-          " predicted = Thm 3.8 at the measured alpha and c; cost model = E[tokens](alpha, "
+          " predicted = Thm 3.8 at the measured alpha and c and gamma (ours); cost model = E[tokens](alpha, "
           "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
           "of the target's (gamma+1)-token verify call instead of one step.")
     if table == 2:
@@ -305,6 +347,11 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--table", required=True, help="table numbers, e.g. 2 or 1,2,3,4,5 or all")
   p.add_argument("--scale", default="demo", choices=setups.SCALES)
+  p.add_argument("--demo_targets", default="big", choices=tuple(setups.DEMO_TARGETS),
+                 help="demo scale: the big targets (45.6M, default) or the 3.7M ones")
+  p.add_argument("--gamma", default=None, choices=GAMMA_RULES,
+                 help="Tables 2 and 4: the paper's gamma, or chosen by each run from warm-up "
+                 "measurements (default: auto with the big demo targets, else paper)")
   p.add_argument("--rows", default=None, help="only these row ids (e.g. ende_small_t0); the "
                  "other rows are listed as not run")
   p.add_argument("--num_examples", type=int, default=None,
@@ -328,6 +375,8 @@ def parse_args(argv: Sequence[str]):
   if any(t not in TABLES for t in args.tables):
     p.error(f"--table must be among {TABLES} (or 'all'), got {args.table!r}")
   args.row_filter = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
+  if args.gamma is None:
+    args.gamma = "auto" if _big(args) else "paper"
   return args
 
 
@@ -335,6 +384,8 @@ def parse_args(argv: Sequence[str]):
 class _Args:
   """The options `plan` reads (a frozen copy of the parsed flags)."""
   scale: str
+  demo_targets: str
+  gamma: str
   demo_models: str | None
   checkpoints: str | None
   num_examples: int | None
@@ -344,7 +395,7 @@ class _Args:
 
 
 def run(args, meta) -> list[harness.Output]:
-  pargs = _Args(args.scale, args.demo_models, args.checkpoints, args.num_examples,
+  pargs = _Args(args.scale, args.demo_targets, args.gamma, args.demo_models, args.checkpoints, args.num_examples,
                 args.step_timing_repeats, args.timing_repeats, tuple(args.gin_bindings))
   plans = {t: plan(t, pargs) for t in args.tables}
   unknown = (args.row_filter or set()) - {r.id for rows in plans.values() for r in rows}
@@ -356,7 +407,7 @@ def run(args, meta) -> list[harness.Output]:
   outs = []
   for t, rows in plans.items():
     cols, out, notes = render(t, rows, results)
-    notes = [f"Scale: {args.scale} ({_SCALE_NOTES[args.scale]})."] + notes
+    notes = [_scale_note(pargs)] + notes
     outs.append(harness.Output(f"table_{t}", f"Table {t}: paper vs this reproduction", cols,
                                out, notes, extra_md=_runs_md(rows, results)))
   return outs
@@ -376,6 +427,24 @@ _SCALE_NOTES = {
             "EnDe / CNNDM tasks, standing in for T5-XXL and its drafts",
     "paper": "T5.1.1 checkpoints on WMT EnDe / CNN-DM through configs/paper/",
 }
+_DEMO_TARGET_NOTES = {
+    "big": "targets: the big demo targets (T5.1.1-small-shaped, 45.6M parameters), where a "
+           "decode step is bound by reading the target's weights, as a T5-XXL step on an "
+           "accelerator is; drafts by size ratio to them: T5-small -> demo small (0.44M, "
+           "1/104; paper 1/144), T5-base -> demo base (0.81M, 1/56; paper 1/45), T5-large -> "
+           "the 3.7M demo target (1/12; paper 1/14)",
+    "small": "targets: the 3.7M demo targets, a kernel-launch-bound scale: on a CPU their "
+             "decode step is bound by launching kernels, not by reading weights, so a verify "
+             "call of gamma + 1 tokens costs 1.4-6 steps and speculation reads as a slowdown; "
+             "drafts: demo small / base / large (1/8.3, 1/4.5, 1/2 of the target)",
+}
+
+
+def _scale_note(args: _Args) -> str:
+  note = f"Scale: {args.scale} ({_SCALE_NOTES[args.scale]})"
+  if args.scale == "demo":
+    note += f"; {_DEMO_TARGET_NOTES[args.demo_targets]}"
+  return note + f". gamma of Tables 2 and 4: {args.gamma}."
 
 
 if __name__ == "__main__":

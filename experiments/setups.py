@@ -11,6 +11,9 @@ experiment runner (`spec_decode.experiment.run_experiment`, through the gin laye
          numbers mean nothing.
   demo   the trained demo models (demo_models/, see configs/demo/) on the
          synthetic_ende / synthetic_cnndm tasks (configs/demo/<task>_run.gin); CPU-sized.
+         The target is <task>_target (3.7M) unless demo_target names another demo model
+         (DEMO_TARGETS: the big 45.6M <task>_target_big); the draft 'target' is the 3.7M
+         <task>_target drafting for a big target.
   paper  configs/paper/<task>_<draft>_t<T>.gin: T5.1.1 checkpoints on WMT EnDe
          and CNN/DM; the checkpoints come from `checkpoints`, keyed
          '<task>_target' and '<task>_<draft>' (e.g. ende_target, ende_small).
@@ -31,7 +34,10 @@ SCALES = ("tiny", "demo", "paper")
 TASKS = ("ende", "cnndm")
 NGRAM_DRAFTS = ("unigram", "bigram")
 T5_DRAFTS = ("small", "base", "large", "small_distilled")
-DRAFTS = NGRAM_DRAFTS + T5_DRAFTS
+# The 3.7M demo target drafting for the big demo targets (1/12 of their size: the ratio of
+# the paper's T5-large to T5-XXL, 1/14). The demo scale only.
+DEMO_ONLY_DRAFTS = ("target",)
+DRAFTS = NGRAM_DRAFTS + T5_DRAFTS + DEMO_ONLY_DRAFTS
 TASK_LABELS = {"ende": "EnDe", "cnndm": "CNNDM"}
 
 # Demo task lengths (as configs/demo/common.gin: ENDE_* and CNNDM_* macros).
@@ -40,7 +46,17 @@ DEMO_TASKS = {"ende": ("synthetic_ende", 32, 48), "cnndm": ("synthetic_cnndm", 3
 TINY_DRAFT_CONFIG = ("{'vocab_size': %VOCAB_SIZE, 'emb_dim': 16, 'num_heads': 2, "
                      "'head_dim': 8, 'mlp_dim': 32, 'num_encoder_layers': 1, "
                      "'num_decoder_layers': 1}")
-TINY_SEEDS = {"small": 1, "base": 2, "large": 3, "small_distilled": 4}
+TINY_SEEDS = {"small": 1, "base": 2, "large": 3, "small_distilled": 4, "target": 5}
+# The demo targets: 'big' (T5.1.1-small-shaped, 45.6M: a decode step reads its weights, as a
+# T5-XXL step on an accelerator does; the default) or 'small' (3.7M: a CPU decode step is
+# bound by launching kernels, where a verify call costs 1.4-6 steps).
+DEMO_TARGETS = {"big": "{task}_target_big", "small": "{task}_target"}
+DEMO_NAMES = {"ende_target": "demo target (3.7M)", "cnndm_target": "demo CNNDM target (3.7M)",
+              "ende_target_big": "demo big target (T5.1.1-small-shaped, 45.6M)",
+              "cnndm_target_big": "demo big CNNDM target (T5.1.1-small-shaped, 45.6M)"}
+DEMO_DRAFT_NAMES = {"small": "demo small (0.44M)", "base": "demo base (0.81M)",
+                    "large": "demo large (1.87M)", "small_distilled": "demo small distilled (0.44M)",
+                    "target": "demo 3.7M target"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +138,19 @@ def _demo(task: str, draft: str, demo_dir: str, fit_examples: int, target_name: 
   target = os.path.join(demo_dir, target_name)
   bindings = [f"target/ModelSpec.checkpoint = {_q(target)}"]
   if target_name != f"{task}_target":
-    bindings.append(f"target/ModelSpec.name = {_q('demo ' + target_name)}")
+    name = DEMO_NAMES.get(target_name, "demo " + target_name)
+    bindings.append(f"target/ModelSpec.name = {_q(name)}")
   needed = [target]
   if draft in NGRAM_DRAFTS:
     files.append(f"gin/drafts/{draft}.gin")
     bindings += ["draft/ModelSpec.checkpoint = None", f"NGRAM_FIT_EXAMPLES = {fit_examples}"]
   else:
     path = os.path.join(demo_dir, f"{task}_{draft}")
+    if os.path.abspath(path) == os.path.abspath(target):
+      return Setup(tuple(files), tuple(bindings), (f"{target_name} cannot draft for itself",))
     needed.append(path)
     bindings += [f"draft/ModelSpec.checkpoint = {_q(path)}",
-                 f"draft/ModelSpec.name = 'demo {draft.replace('_', ' ')}'"]
+                 f"draft/ModelSpec.name = {_q(DEMO_DRAFT_NAMES[draft])}"]
   missing = tuple(f"no demo model {_shown(p)}" for p in needed if not os.path.isdir(p))
   return Setup(tuple(files), tuple(bindings), missing)
 

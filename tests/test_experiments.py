@@ -153,7 +153,15 @@ def test_setups_parse_at_every_scale():
   big = setups.experiment_setup("demo", "ende", "small", demo_target="ende_target_big")
   cfg = setups.parse_config(big)
   assert cfg.target.checkpoint.endswith("demo_models/ende_target_big") and not big.missing
-  assert cfg.target.name == "demo ende_target_big"
+  assert cfg.target.name == "demo big target (T5.1.1-small-shaped, 45.6M)"
+  # The 3.7M demo target drafts for the big one; it cannot draft for itself.
+  mid = setups.parse_config(setups.experiment_setup("demo", "cnndm", "target",
+                                                    demo_target="cnndm_target_big"))
+  assert mid.draft.checkpoint.endswith("demo_models/cnndm_target")
+  assert mid.draft.name == "demo 3.7M target"
+  assert setups.experiment_setup("demo", "ende", "target").missing == (
+      "ende_target cannot draft for itself",)
+  assert setups.experiment_setup("paper", "ende", "target").missing
   with pytest.raises(ValueError, match="demo_target 'ende_target_big' names a demo model"):
     setups.experiment_setup("tiny", "ende", "small", demo_target="ende_target_big")
   with pytest.raises(ValueError, match="NAME=PATH"):
@@ -186,6 +194,40 @@ def test_reproduce_table1_is_the_theory(out):
     np.testing.assert_allclose(row["sim_speed"], row["speed"], rtol=0.02)  # 200k steps
 
 
+def _planned(argv, table):
+  args = reproduce.parse_args(["--table", str(table)] + argv)
+  pargs = reproduce._Args(args.scale, args.demo_targets, args.gamma, args.demo_models, None,
+                          None, None, None, ())
+  return {row.id: row for row in reproduce.plan(table, pargs)}
+
+
+def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
+  rows = _planned([], 2)  # the demo scale's default: the big targets, gamma chosen per run
+  assert len(rows) == len(paper_tables.TABLE2)
+  for row in rows.values():
+    cfg = setups.parse_config(row.jobs["run"].setup)
+    assert cfg.target.checkpoint.endswith("_target_big")
+    assert cfg.gamma_choice is not None and row.jobs["run"].name.endswith("_gauto")
+  drafts = {rid: setups.parse_config(r.jobs["run"].setup).draft.checkpoint
+            for rid, r in rows.items()}
+  assert drafts["ende_small_t0"].endswith("demo_models/ende_small")
+  assert drafts["cnndm_base_t1"].endswith("demo_models/cnndm_base")
+  assert drafts["ende_large_t0"].endswith("demo_models/ende_target")  # T5-large: 1/12 vs 1/14
+  t3 = _planned([], 3)
+  assert {"ende_large_demo", "ende_small_distilled", "cnndm_large_demo"} <= set(t3)
+  large_demo = setups.parse_config(t3["ende_large_demo"].jobs["t1"].setup)
+  assert large_demo.draft.checkpoint.endswith("demo_models/ende_large")
+  # The 3.7M targets: the drafts as before, at the paper's gamma.
+  small = _planned(["--demo_targets", "small"], 2)["ende_large_t1"].jobs["run"]
+  cfg = setups.parse_config(small.setup)
+  assert cfg.target.checkpoint.endswith("demo_models/ende_target")
+  assert cfg.draft.checkpoint.endswith("demo_models/ende_large") and cfg.gamma_choice is None
+  assert small.name == "ende_large_t1_g3"
+  forced = _planned(["--gamma", "paper"], 4)["cnndm_small_t0"].jobs["run"]
+  assert forced.name == "cnndm_small_t0_g5"
+  assert len(_planned(["--demo_targets", "small"], 3)) == len(paper_tables.TABLE3) + 2
+
+
 @pytest.mark.slow
 def test_reproduce_tables_2_to_5_tiny(out):
   paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
@@ -206,6 +248,7 @@ def test_reproduce_tables_2_to_5_tiny(out):
   assert all("not run" in r["note"] for r in t2 if r is not ran[0])
   run4 = next(r for r in t4 if (r["task"], r["draft"], r["temp"]) == ("EnDe", "T5-small", 1))
   assert run4["c"] == run4["c_run"] > 0  # the run's own c (in-loop, interleaved)
+  assert run4["gamma"] == run4["gamma_ours"] == 7  # the tiny scale runs the paper's gamma
   np.testing.assert_allclose(run4["predicted"],
                              theory.walltime_improvement(run4["alpha"], 7, run4["c"]),
                              rtol=1e-6)
