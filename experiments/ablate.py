@@ -1,6 +1,7 @@
 r"""gamma and c sweeps of speculative decoding, measured against Theorem 3.8.
 
-  python -m experiments.ablate                       # demo EnDe target; drafts small/base/large
+  python -m experiments.ablate                       # big demo EnDe target; drafts small/base/3.7M
+  python -m experiments.ablate --demo_targets small  # the 3.7M demo target; drafts small/base/large
   python -m experiments.ablate --added_c 0.25,0.5,1,2 --delay_mode sleep
   python -m experiments.ablate --scale tiny --gammas 1-3 --added_c 1 --num_examples 2
 
@@ -16,7 +17,8 @@ before it, the median ratio kept), next to
               variant's measured alpha and c; and
   cost model: E[tokens] / (gamma c + T_verify(gamma+1) / T_p), which charges
               the measured cost of verifying gamma + 1 tokens instead of one step.
-Writes <results_dir>/ablate_<task>.{md,csv,json} and three PNG plots:
+Writes <results_dir>/ablate_<task>.{md,csv,json} (ablate_<task>_3.7m.* with --demo_targets
+small) and three PNG plots:
   ablate_<task>_gamma.png    speedup vs gamma per variant, points over both curves;
   ablate_<task>_c.png        speedup vs c for the delayed variants, per gamma;
   ablate_<task>_figure3.png  the paper's Figure 3 (optimal gamma vs alpha, one curve
@@ -59,8 +61,10 @@ def _load(args) -> tuple[Any, dict[str, Any], list[str]]:
                               batch_size=args.batch_size)
   names = list(dict.fromkeys(list(args.drafts) + ([args.delay_draft] if args.added_c else [])))
   for d in names:
+    demo_target = setups.demo_target(args.scale, args.task, args.demo_targets)
     s = setups.experiment_setup(args.scale, args.task, d, temperature=args.temperature,
-                                demo_dir=args.demo_models).with_bindings(*extra)
+                                demo_dir=args.demo_models,
+                                demo_target=demo_target).with_bindings(*extra)
     if s.missing:
       notes.append(f"draft {d} skipped: {'; '.join(s.missing)}")
       continue
@@ -285,8 +289,11 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--scale", default="demo", choices=("tiny", "demo"))
   p.add_argument("--task", default="ende", choices=setups.TASKS)
-  p.add_argument("--drafts", default="small,base,large",
-                 help=f"drafts swept at their natural c, among {setups.DRAFTS}")
+  setups.add_demo_targets_flag(p, "the target is")
+  p.add_argument("--drafts", default=None,
+                 help=f"drafts swept at their natural c, among {setups.DRAFTS} (default: "
+                 "small,base,target with the big demo target: the paper's size ratios; else "
+                 "small,base,large)")
   p.add_argument("--delay_draft", default="small", help="the draft the c sweep delays")
   p.add_argument("--added_c", default="0.25,0.5,1,2",
                  help="extra cost per draft call in units of T_p ('' = no c sweep)")
@@ -306,6 +313,9 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--no_plots", dest="plots", action="store_false")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
+  if args.drafts is None:
+    big = args.scale == "demo" and args.demo_targets == "big"
+    args.drafts = "small,base,target" if big else "small,base,large"
   args.drafts = tuple(d.strip() for d in args.drafts.split(",") if d.strip())
   bad = [d for d in args.drafts + (args.delay_draft,) if d not in setups.DRAFTS]
   if bad:
@@ -344,7 +354,9 @@ def run(args, meta) -> harness.Output:
            f"of k = {args.loop_steps} and 2k decodes (no per-step dispatch, no call's fixed "
            "cost; experiment.measure.step_costs)."] + \
       res["notes"]
-  stem = os.path.join(args.results_dir, f"ablate_{args.task}")
+  name = f"ablate_{args.task}" + ("_3.7m" if args.scale == "demo" and
+                                  args.demo_targets == "small" else "")
+  stem = os.path.join(args.results_dir, name)
   os.makedirs(args.results_dir, exist_ok=True)
   figures = []
   if args.plots:
@@ -362,7 +374,7 @@ def run(args, meta) -> harness.Output:
     best = next(r for r in v_rows if r["gamma"] == r["best_measured_gamma"])
     at_opt = next((r for r in v_rows if r["gamma"] == r["optimal_gamma_thm38"]), None)
     summary_rows.append(dict(best, speedup_at_optimal=at_opt and at_opt["speedup"]))
-  return harness.Output(f"ablate_{args.task}",
+  return harness.Output(name,
                         f"Ablation: gamma and c sweeps ({args.task}, {args.scale} scale)", cols,
                         res["rows"], notes, readme_table=(summary_cols, summary_rows),
                         figures=figures)

@@ -1,8 +1,9 @@
 r"""Speedup of speculative decoding against batch size, which the paper never measured.
 
-  python -m experiments.batch_scaling                          # demo EnDe pair, B = 1,4,16,64
-  python -m experiments.batch_scaling --demo_target ende_target_big --batch_sizes 1,8 \
-      --num_examples 48 --gamma auto --compact_batch
+  python -m experiments.batch_scaling                          # big demo EnDe pair, B = 1,4,16,64
+  python -m experiments.batch_scaling --batch_sizes 1,8 --num_examples 48 --gamma auto \
+      --compact_batch
+  python -m experiments.batch_scaling --demo_target ende_target   # the 3.7M demo EnDe target
   python -m experiments.batch_scaling --scale tiny --batch_sizes 1,2 --num_examples 2
   python -m experiments.batch_scaling --scale paper \
       --checkpoints ende_target=gs://B/xxl_ende/ckpt,ende_small=gs://B/small_ende/ckpt
@@ -17,8 +18,8 @@ c(B), and the cost model E[tokens] / (gamma c + T_verify(gamma+1) / T_p) at B.
 (The run's own c, timed without interleaving, is kept in the JSON as c_run.) Larger batches make a
 decode step less memory-bound, so the verify call's extra gamma tokens stop
 being free (T_verify / T_p grows), and a batch waits for its slowest row.
-Writes <results_dir>/batch_scaling_<task>.{md,csv,json,png} (batch_scaling_<demo_target>.*
-with --demo_target).
+Writes <results_dir>/batch_scaling_<demo_target>.{md,csv,json,png} at the demo scale (the
+big target <task>_target_big by default), batch_scaling_<task>.* at the others.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--timing_repeats", type=int, default=None)
   p.add_argument("--demo_models", default=None)
   p.add_argument("--demo_target", default=None,
-                 help="demo scale: the target's demo model name (default <task>_target), "
-                      "e.g. ende_target_big")
+                 help="demo scale: the target's demo model name (default <task>_target_big, "
+                      "the big demo target; <task>_target for the 3.7M one)")
   p.add_argument("--checkpoints", default=None, help="paper scale: <task>_target=PATH,"
                  "<task>_<draft>=PATH")
   p.add_argument("--gin_bindings", action="append", default=[],
@@ -193,6 +194,8 @@ def parse_args(argv: Sequence[str]):
   args = p.parse_args(list(argv))
   args.batch_sizes = harness.parse_ints(args.batch_sizes, "batch_sizes")
   args.num_examples = args.num_examples or max(args.batch_sizes)
+  if args.demo_target is None and args.scale == "demo":
+    args.demo_target = setups.demo_target(args.scale, args.task, "big")
   if args.gamma == "auto":
     args.gamma = None
   else:

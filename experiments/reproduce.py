@@ -88,11 +88,9 @@ def _ours(args, draft: str) -> str:
 
 
 def _setup(args, task: str, draft: str, *, temperature: float, **row) -> setups.Setup:
-  demo_target = None
-  if args.scale == "demo":
-    demo_target = setups.DEMO_TARGETS[args.demo_targets].format(task=task)
   s = setups.experiment_setup(args.scale, task, draft, temperature=temperature,
-                              demo_dir=args.demo_models, demo_target=demo_target,
+                              demo_dir=args.demo_models,
+                              demo_target=setups.demo_target(args.scale, task, args.demo_targets),
                               checkpoints=setups.parse_checkpoints(args.checkpoints))
   extra = setups.row_bindings(temperature=float(temperature), num_examples=args.num_examples,
                               step_timing_repeats=args.step_timing_repeats,
@@ -347,8 +345,7 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--table", required=True, help="table numbers, e.g. 2 or 1,2,3,4,5 or all")
   p.add_argument("--scale", default="demo", choices=setups.SCALES)
-  p.add_argument("--demo_targets", default="big", choices=tuple(setups.DEMO_TARGETS),
-                 help="demo scale: the big targets (45.6M, default) or the 3.7M ones")
+  setups.add_demo_targets_flag(p)
   p.add_argument("--gamma", default=None, choices=GAMMA_RULES,
                  help="Tables 2 and 4: the paper's gamma, or chosen by each run from warm-up "
                  "measurements (default: auto with the big demo targets, else paper)")

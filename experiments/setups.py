@@ -84,6 +84,19 @@ def _q(s: str) -> str:
   return repr(str(s))
 
 
+def add_demo_targets_flag(parser, what: str = "the targets") -> None:
+  """The drivers' --demo_targets flag: which DEMO_TARGETS the demo scale runs."""
+  parser.add_argument("--demo_targets", default="big", choices=tuple(DEMO_TARGETS),
+                      help=f"demo scale: {what} are the big demo targets (45.6M, default) or "
+                      "the 3.7M ones (a kernel-launch-bound scale on a CPU)")
+
+
+def demo_target(scale: str, task: str, targets: str) -> str | None:
+  """The demo target model's name of `task` for --demo_targets `targets` (None off the demo
+  scale)."""
+  return DEMO_TARGETS[targets].format(task=task) if scale == "demo" else None
+
+
 def _check(scale: str, task: str, draft: str) -> None:
   if scale not in SCALES:
     raise ValueError(f"unknown scale {scale!r}; known: {SCALES}")

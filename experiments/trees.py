@@ -96,13 +96,15 @@ def sweep(args):
   rows, curves, choices = [], {}, {}
   for task in args.tasks:
     for temperature in args.temperatures:
+      demo_target = setups.demo_target(args.scale, task, args.demo_targets)
       s = setups.experiment_setup(args.scale, task, "small", temperature=temperature,
-                                  demo_dir=args.demo_models)
+                                  demo_dir=args.demo_models, demo_target=demo_target)
       s = s.with_bindings(*setups.row_bindings(
           temperature=temperature, num_examples=args.num_examples,
           step_timing_repeats=args.step_timing_repeats),
           *decoder_bindings(args.gamma, args.budgets, args.width, args.depth))
-      run_dir = os.path.join(args.runs_dir, args.scale, f"{task}_t{temperature:g}")
+      run_dir = os.path.join(args.runs_dir, args.scale,
+                             f"{demo_target or task}_t{temperature:g}")
       print(f"{task} t={temperature:g} -> {run_dir}", flush=True)
       summary = setups.run(s, run_dir, show_progress=args.progress)
       if task not in curves:
@@ -182,6 +184,7 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--scale", default="demo", choices=setups.SCALES)
   p.add_argument("--tasks", default="ende,cnndm")
+  setups.add_demo_targets_flag(p)
   p.add_argument("--temperatures", default="0,1")
   p.add_argument("--budgets", default="4,8,16,32")
   p.add_argument("--width", type=int, default=2)

@@ -137,7 +137,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 def sweep(args) -> dict[str, Any]:
   rows, notes = [], []
   for task in args.tasks:
-    s = setups.experiment_setup(args.scale, task, args.draft, demo_dir=args.demo_models)
+    s = setups.experiment_setup(args.scale, task, args.draft, demo_dir=args.demo_models,
+                                demo_target=setups.demo_target(args.scale, task,
+                                                               args.demo_targets))
     s = s.with_bindings(*setups.row_bindings(num_examples=args.num_examples,
                                              batch_size=args.batch_size))
     if s.missing:
@@ -157,6 +159,7 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--scale", default="demo", choices=("tiny", "demo"))
   p.add_argument("--tasks", default="ende,cnndm")
+  setups.add_demo_targets_flag(p)
   p.add_argument("--draft", default="small", choices=setups.DRAFTS)
   p.add_argument("--temperatures", default="0,1")
   p.add_argument("--gammas", default="3-8")
