@@ -1,6 +1,7 @@
 r"""Draft heads on the target's own states against the small draft model, on the demo tasks.
 
-  python -m experiments.heads                       # both demo tasks, temperatures 0 and 1
+  python -m experiments.heads                       # the big demo targets, temperatures 0 and 1
+  python -m experiments.heads --demo_targets small  # the 3.7M demo targets and their heads
   python -m experiments.heads --tasks ende --temperatures 0 --num_examples 4
 
 For each task and temperature, in one process and on the same examples
@@ -18,12 +19,19 @@ marginal cost of one more call in a jitted loop), the speedup Theorem 3.8
 predicts from that alpha and c, the measured speedup over the baseline, and
 the fraction of outputs identical to the baseline's (1.0 expected at
 temperature 0). Writes <results_dir>/heads.{md,csv,json}.
+
+The heads are trained on one target each. With --demo_targets big (the default) the target
+is <task>_target_big and the heads are demo_models/<task>_big_<kind>, where <kind> is also
+'eagle3' (an EAGLE head with EAGLE-3's multi-layer fusion); a head not shipped for a task's
+big target is left out and named in the notes. The result files are heads.* with the 3.7M
+targets (--demo_targets small) and heads_big.* with the big ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from typing import Any, Sequence
 
@@ -31,29 +39,58 @@ from experiments import harness, setups
 from experiments.harness import Column, fmt
 
 
+HEAD_KINDS = {"small": ("eagle", "medusa", "mtp"), "big": ("eagle", "eagle3", "medusa", "mtp")}
+
+
+def head_models(task: str, targets: str) -> tuple[str, dict[str, str], list[str]]:
+  """(the target's demo model, {kind: the shipped head's demo model}, the kinds not shipped
+  for that target)."""
+  heads, missing = {}, []
+  for kind in HEAD_KINDS[targets]:
+    name = f"{task}_big_{kind}" if targets == "big" else f"{task}_{kind}"
+    if os.path.isdir(os.path.join(harness.DEMO_DIR, name)):
+      heads[kind] = name
+    else:
+      missing.append(kind)
+  return setups.DEMO_TARGETS[targets].format(task=task), heads, missing
+
+
 def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
   import jax
   from spec_decode import decoding, experiment, theory
   from spec_decode.decoding import timing
   task_name, input_length, decode_len = setups.DEMO_TASKS[task]
-  demo = lambda name: harness.model_spec(f"demo:{name}", dtype="float32")
-  models = harness.load_models(demo(f"{task}_target"), {
-      kind: demo(f"{task}_{kind}") for kind in ("small", "eagle", "medusa", "mtp")})
-  gamma = min(args.gamma, models.draft("medusa")[0].num_heads)
-  mtp_gamma = min(args.gamma, models.draft("mtp")[0].num_modules)
+  # The 3.7M targets decode in float32 as their heads were measured; the big ones as their
+  # main job does (the checkpoint's bfloat16 weights read by the CPU kernel).
+  target_dtype = "float32" if args.demo_targets == "small" else None
+  target_name, head_names, _ = head_models(task, args.demo_targets)
+  demo = lambda name, dtype="float32": harness.model_spec(f"demo:{name}", dtype=dtype)
+  models = harness.load_models(demo(target_name, target_dtype), {
+      "small": demo(f"{task}_small", target_dtype),
+      **{kind: demo(name) for kind, name in head_names.items()}})
   inputs = harness.task_inputs(task_name, split=args.split, num_examples=args.num_examples,
                                input_length=input_length, decode_len=decode_len)
   batches, n = harness.batches(inputs, 1)
   sampling = decoding.Sampling(temperature=temperature)
+  g = args.gamma
   decoders = {  # name: (algorithm, the draft it reads)
       "autoregressive": (decoding.Autoregressive(), None),
-      f"small draft (gamma {args.gamma})": (decoding.Speculative(gamma=args.gamma), "small"),
-      f"EAGLE head (gamma {args.gamma})": (
-          decoding.Speculative(gamma=args.gamma, drafter=decoding.EagleDrafter()), "eagle"),
-      f"Medusa heads (gamma {gamma})": (
-          decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), "medusa"),
-      f"MTP modules (gamma {mtp_gamma})": (
-          decoding.Speculative(gamma=mtp_gamma, drafter=decoding.MtpDrafter()), "mtp")}
+      f"small draft (gamma {g})": (decoding.Speculative(gamma=g), "small")}
+  if "eagle" in head_names:
+    decoders[f"EAGLE head (gamma {g})"] = (
+        decoding.Speculative(gamma=g, drafter=decoding.EagleDrafter()), "eagle")
+  if "eagle3" in head_names:
+    layers = models.draft("eagle3")[0].config.fuse_layers
+    decoders[f"EAGLE-3 fused head, layers {list(layers)} + final (gamma {g})"] = (
+        decoding.Speculative(gamma=g, drafter=decoding.EagleDrafter()), "eagle3")
+  if "medusa" in head_names:
+    gamma = min(g, models.draft("medusa")[0].num_heads)
+    decoders[f"Medusa heads (gamma {gamma})"] = (
+        decoding.Speculative(gamma=gamma, drafter=decoding.MedusaDrafter()), "medusa")
+  if "mtp" in head_names:
+    mtp_gamma = min(g, models.draft("mtp")[0].num_modules)
+    decoders[f"MTP modules (gamma {mtp_gamma})"] = (
+        decoding.Speculative(gamma=mtp_gamma, drafter=decoding.MtpDrafter()), "mtp")
   common = dict(max_decode_len=decode_len, sampling=sampling, rng=jax.random.PRNGKey(args.seed))
   fns = {name: harness.decode_fn(algo, models.target, models.target_params,
                                  *(models.draft(d) if d else ()), **common)
@@ -73,7 +110,8 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
     t = times[name]
     st = harness.decode_stats(t.outputs, n, baseline=base.outputs)
     med = statistics.median(t.seconds)
-    row = {"task": setups.TASK_LABELS[task], "temperature": temperature, "decoder": name,
+    row = {"task": setups.TASK_LABELS[task], "target": target_name,
+           "temperature": temperature, "decoder": name,
            "tokens_per_second": st["tokens"] / med, "speedup": base_s / med,
            "tokens_per_target_call": st["tokens_per_target_call"],
            "identical": st["identical"]}
@@ -88,7 +126,8 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
 
 
 def _columns():
-  return [Column("task", "task", str), Column("temperature", "t", lambda v: fmt(v, 1)),
+  return [Column("task", "task", str), Column("target", "target", str),
+          Column("temperature", "t", lambda v: fmt(v, 1)),
           Column("decoder", "decoder", str), Column("alpha", "alpha"),
           Column("tokens_per_target_call", "tokens per target call", lambda v: fmt(v, 2)),
           Column("c", "c"), Column("thm38", "Thm 3.8", lambda v: fmt(v, 2, "X")),
@@ -101,6 +140,7 @@ def parse_args(argv: Sequence[str]):
   p = argparse.ArgumentParser(prog="python -m experiments.heads", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", default="ende,cnndm")
+  setups.add_demo_targets_flag(p)
   p.add_argument("--temperatures", default="0,1")
   p.add_argument("--gamma", type=int, default=4)
   p.add_argument("--num_examples", type=int, default=20)
@@ -123,7 +163,16 @@ def parse_args(argv: Sequence[str]):
 
 def run(args, meta) -> harness.Output:
   rows = [r for task in args.tasks for t in args.temperatures for r in run_task(task, t, args)]
-  notes = [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
+  notes = []
+  for task in args.tasks:
+    target, _, missing = head_models(task, args.demo_targets)
+    if missing:
+      notes.append(f"{task}: no {', '.join(missing)} head is shipped for {target}; left out.")
+  if args.demo_targets == "big":
+    notes.append("The big targets (T5.1.1-small-shaped, 45.6M) and the small draft decode "
+                 "with the checkpoints' bfloat16 weights (read by the CPU kernel, float32 "
+                 "arithmetic), as the main job does; the heads in float32.")
+  notes += [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
            "interleaved rounds (median); speedup = baseline seconds / decoder seconds.",
            "c: each decoder's proposal (its drafter's own propose in a jitted loop: the small "
            "draft's gamma steps, the EAGLE head's chain, the Medusa heads' one call, the MTP "
@@ -134,7 +183,8 @@ def run(args, meta) -> harness.Output:
            "commit runs no module).",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "
            "and c (it assumes a verify call costs one target step)."]
-  return harness.Output("heads", "Draft heads (EAGLE, Medusa, MTP) against the small draft model",
+  stem = "heads_big" if args.demo_targets == "big" else "heads"
+  return harness.Output(stem, "Draft heads (EAGLE, Medusa, MTP) against the small draft model",
                         _columns(), rows, notes)
 
 

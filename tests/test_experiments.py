@@ -357,8 +357,9 @@ def test_peers_tiny(out):
 @pytest.mark.slow
 def test_heads_on_the_demo_pair(out):
   paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
-                      "--repeats", "1", "--timing_repeats", "2", "--results_dir",
-                      out["results"]])
+                      "--repeats", "1", "--timing_repeats", "2", "--demo_targets", "small",
+                      "--results_dir", out["results"]])
+  assert paths["json"].endswith("heads.json")
   rows = _json(paths["json"])["rows"]
   assert [r["decoder"] for r in rows] == ["autoregressive", "small draft (gamma 4)",
                                           "EAGLE head (gamma 4)", "Medusa heads (gamma 4)",
