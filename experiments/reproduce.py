@@ -327,6 +327,47 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
   return cols, out, notes
 
 
+def orderings(table: int, out: list[dict]) -> list[dict]:
+  """Per group of rows (Tables 2 and 4: task and temperature; Table 3: target), the drafts
+  ordered by the paper's value and by ours, for speed and alpha (Table 3: alpha at t=0 and
+  t=1); only drafts with both values. Each: {group, quantity, paper, ours, agree}."""
+  if table in (2, 4):
+    keys = ("task", "temp")
+    quantities = (("speed", "paper_speed", "speed"), ("alpha", "paper_alpha", "alpha"))
+  elif table == 3:
+    keys = ("target",)
+    quantities = (("alpha at t=0", "paper_t0", "t0"), ("alpha at t=1", "paper_t1", "t1"))
+  else:
+    return []
+  groups: dict[tuple, list[dict]] = {}
+  for row in out:
+    groups.setdefault(tuple(row.get(k) for k in keys), []).append(row)
+  result = []
+  for group, rows in groups.items():
+    for name, paper_key, ours_key in quantities:
+      have = [r for r in rows if r.get(paper_key) is not None and r.get(ours_key) is not None]
+      if len(have) < 2:
+        continue
+      order = lambda key: [r["draft"] for r in sorted(have, key=lambda r: -r[key])]
+      paper, ours = order(paper_key), order(ours_key)
+      result.append(dict(group=", ".join(f"{k} {v}" for k, v in zip(keys, group)),
+                         quantity=name, paper=paper, ours=ours, agree=paper == ours))
+  return result
+
+
+def _orderings_md(items: list[dict]) -> str:
+  if not items:
+    return ""
+  lines = ["## Orderings: paper vs ours", "",
+           "Drafts from highest to lowest, by the paper's value and by ours (generated from "
+           "the rows above).", "", "| group | quantity | paper | ours | same order |",
+           "|---|---|---|---|---|"]
+  for it in items:
+    lines.append(f"| {it['group']} | {it['quantity']} | {' > '.join(it['paper'])} | "
+                 f"{' > '.join(it['ours'])} | {'yes' if it['agree'] else 'no'} |")
+  return "\n".join(lines) + "\n\n"
+
+
 def _runs_md(rows: list[Row], results: dict) -> str:
   lines, seen = ["## Runs", ""], set()
   for row in rows:
@@ -405,8 +446,10 @@ def run(args, meta) -> list[harness.Output]:
   for t, rows in plans.items():
     cols, out, notes = render(t, rows, results)
     notes = [_scale_note(pargs)] + notes
+    order = orderings(t, out)
     outs.append(harness.Output(f"table_{t}", f"Table {t}: paper vs this reproduction", cols,
-                               out, notes, extra_md=_runs_md(rows, results)))
+                               out, notes, extra_md=_orderings_md(order) + _runs_md(rows, results),
+                               extra={"orderings": order} if order else None))
   return outs
 
 

@@ -228,6 +228,29 @@ def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
   assert len(_planned(["--demo_targets", "small"], 3)) == len(paper_tables.TABLE3) + 2
 
 
+def test_reproduce_orderings_compare_the_paper_and_ours_per_group():
+  out = [dict(task="EnDe", temp=0, draft="T5-small", paper_speed=3.4, speed=1.66,
+              paper_alpha=0.75, alpha=0.84),
+         dict(task="EnDe", temp=0, draft="T5-base", paper_speed=2.8, speed=1.65,
+              paper_alpha=0.80, alpha=0.88),
+         dict(task="EnDe", temp=0, draft="T5-large", paper_speed=1.7, speed=1.68,
+              paper_alpha=0.82, alpha=0.95),
+         dict(task="EnDe", temp=1, draft="T5-small", paper_speed=2.6, speed=None,
+              paper_alpha=0.62, alpha=0.8)]
+  items = {(i["group"], i["quantity"]): i for i in reproduce.orderings(2, out)}
+  speed = items[("task EnDe, temp 0", "speed")]
+  assert speed["paper"] == ["T5-small", "T5-base", "T5-large"]
+  assert speed["ours"] == ["T5-large", "T5-small", "T5-base"] and not speed["agree"]
+  alpha = items[("task EnDe, temp 0", "alpha")]
+  assert alpha["ours"] == alpha["paper"] == ["T5-large", "T5-base", "T5-small"]
+  assert alpha["agree"]
+  assert ("task EnDe, temp 1", "speed") not in items  # one row with both values: no order
+  md = reproduce._orderings_md(list(items.values()))
+  assert "| task EnDe, temp 0 | speed | T5-small > T5-base > T5-large | T5-large > T5-small " \
+      "> T5-base | no |" in md
+  assert reproduce.orderings(1, out) == [] and reproduce._orderings_md([]) == ""
+
+
 @pytest.mark.slow
 def test_reproduce_tables_2_to_5_tiny(out):
   paths = reproduce.main(["--table", "2,3,4,5", "--scale", "tiny", "--num_examples", "1",
