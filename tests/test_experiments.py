@@ -277,6 +277,9 @@ def test_reproduce_tables_2_to_5_tiny(out):
                              rtol=1e-6)
   np.testing.assert_allclose(run4["cost_model"], theory.expected_tokens(run4["alpha"], 7)
                              / (7 * run4["c"] + run4["verify_ratio"]), rtol=1e-6)
+  assert 0.0 <= run4["setup_fraction"] < 1.0 and run4["setup_model"] > 0
+  np.testing.assert_allclose(run4["setup_efficiency"], run4["speed"] / run4["setup_model"],
+                             rtol=1e-6)
   small3 = next(r for r in t3 if r["draft"] == "T5-small" and r["target"] == "T5-XXL EnDe")
   assert 0.0 <= small3["t0"] <= 1.0 and 0.0 <= small3["t1"] <= 1.0
   assert all(r["note"].startswith("not reproduced") for r in t3 if r["target"].startswith(
