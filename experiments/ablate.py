@@ -128,6 +128,7 @@ def sweep(args) -> dict[str, Any]:
                [g + 1 for g in args.gammas], args.repeats)
   c = [step["c"][f"draft_{i}"] for i in range(len(variants))]
   verify = {g: step["verify_ratio"][g + 1] for g in args.gammas}
+  t_p = step["target_step"]["median"]
   # End-to-end decoding. Each speculative pass is paired with an autoregressive pass just
   # before it (`harness.time_decodes` rounds): this machine's speed drifts by tens of
   # percent over the minutes a sweep takes, so one baseline pass per round would bias the
@@ -159,12 +160,19 @@ def sweep(args) -> dict[str, Any]:
           "speedup": float(np.median(speedups)), "speedup_spread": harness.spread(speedups),
           "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
           "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + verify[g])
-          if ok else None})
+          if ok else None,
+          "tokens": st["tokens"], "target_calls": st["target_calls"],
+          "setup_model": _setup_charged(t_p, float(np.median(t["autoregressive"].seconds)),
+                                        st["tokens"], st["target_calls"],
+                                        g * cm + verify[g])})
   for v_rows in _by_variant(rows).values():
     best = max(v_rows, key=lambda r: r["speedup"])
     a = _mean_alpha(v_rows)
+    modelled = [r for r in v_rows if r["cost_model"] is not None]
+    cost_gamma = max(modelled, key=lambda r: r["cost_model"])["gamma"] if modelled else None
     for r in v_rows:
       r["best_measured_gamma"] = best["gamma"]
+      r["optimal_gamma_cost_model"] = cost_gamma
       r["variant_alpha"] = a
       r["optimal_gamma_thm38"] = None if math.isnan(a) else int(
           theory.optimal_gamma(a, r["c"], max_gamma=max(args.gammas)))
@@ -172,6 +180,18 @@ def sweep(args) -> dict[str, Any]:
           "target": cfg.target.label, "task": cfg.task, "examples": n,
           "batch_size": cfg.batch_size, "temperature": cfg.sampling.temperature,
           "decode_len": cfg.decode_len}
+
+
+def _setup_charged(t_p: float, ar_seconds: float, tokens: float, target_calls: int,
+                   iteration_steps: float) -> float | None:
+  """The cost model charging the examples' set-up and the target calls made: AR seconds /
+  (set-up + target calls x (gamma c + T_verify / T_p) T_p), where the set-up (encoding,
+  cross-attention caches, each call's fixed cost; paid by both decoders) is the
+  autoregressive seconds less tokens x T_p (as Table 4 of experiments.reproduce)."""
+  if not target_calls or not t_p:
+    return None
+  setup = max(ar_seconds - tokens * t_p, 0.0)
+  return ar_seconds / (setup + target_calls * iteration_steps * t_p)
 
 
 def _mean_alpha(rows: list[dict]) -> float:
@@ -224,11 +244,13 @@ def plot(res: dict[str, Any], stem: str, machine: str, command: str) -> list[str
       gg = np.arange(1, max(g) + 1)
       ax.plot(gg, theory.walltime_improvement(a, gg, rows[0]["c"]), "-", color=col, alpha=0.7)
       ax.plot(g, [r["cost_model"] for r in rows], ":", color=col, alpha=0.9)
+      ax.plot(g, [r["setup_model"] for r in rows], "--", color=col, alpha=0.6, lw=0.8)
   ax.axhline(1.0, color="gray", lw=0.5)
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("gamma")
   ax.set_ylabel("speedup over autoregressive")
-  ax.set_title("Measured (points) vs Thm 3.8 (solid) and cost model (dotted)")
+  ax.set_title("Measured (points) vs Thm 3.8 (solid), cost model (dotted) and cost model + "
+               "set-up (dashed)", fontsize=8)
   ax.legend(fontsize=6)
   save(fig, "gamma")
 
@@ -337,7 +359,9 @@ def run(args, meta) -> harness.Output:
           Column("verify_ratio", "T_verify/T_p", lambda v: fmt(v, 2)),
           Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
           Column("cost_model", "cost model", x),
+          Column("setup_model", "cost model + set-up", x),
           Column("best_measured_gamma", "best gamma (measured)"),
+          Column("optimal_gamma_cost_model", "best gamma (cost model)"),
           Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)")]
   notes = [f"target {res['target']} on {res['task']}, {res['examples']} examples, batch "
            f"{res['batch_size']}, temperature {res['temperature']:g}, up to {res['decode_len']} "
@@ -352,7 +376,12 @@ def run(args, meta) -> harness.Output:
            "pass (the machine's speed drifts); c and T_verify/T_p are ratios of the medians of "
            "marginal step costs over interleaved rounds: (t(2k) - t(k)) / k for jitted loops "
            f"of k = {args.loop_steps} and 2k decodes (no per-step dispatch, no call's fixed "
-           "cost; experiment.measure.step_costs)."] + \
+           "cost; experiment.measure.step_costs).",
+           "cost model + set-up: the cost model charging what both decoders pay once per "
+           "example (encoding, cross-attention caches, each call's fixed cost: the "
+           "autoregressive seconds less tokens x T_p) and the target calls the speculative "
+           "decoder made (a sequence ending inside a block wastes its rest). best gamma (cost "
+           "model): the gamma of the grid with the highest cost model value."] + \
       res["notes"]
   name = f"ablate_{args.task}" + ("_3.7m" if args.scale == "demo" and
                                   args.demo_targets == "small" else "")
@@ -367,6 +396,8 @@ def run(args, meta) -> harness.Output:
       Column("best_measured_gamma", "best gamma (measured)"),
       Column("speedup", "speedup at it", x), Column("thm38", "Thm 3.8 there", x),
       Column("cost_model", "cost model there", x),
+      Column("setup_model", "cost model + set-up there", x),
+      Column("optimal_gamma_cost_model", "best gamma (cost model)"),
       Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)"),
       Column("speedup_at_optimal", "measured at Thm 3.8's gamma", x)]
   summary_rows = []

@@ -74,13 +74,20 @@ def test_demo_checkpoints_load(name):
   assert shapes == jax.tree_util.tree_map(lambda x: x.shape, t5.T5(cfg).param_shapes())
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
-def test_demo_eagle_heads_fit_their_targets(task):
-  head, params = head_checkpoints.load(os.path.join(DEMO, f"{task}_eagle"), kind="eagle",
-                                      dtype="float32")
-  tcfg, _ = checkpoints.load(os.path.join(DEMO, f"{task}_target"), dtype="float32")
+# (EAGLE head, the target it was trained on, its fused layers): the 3.7M targets' heads, and
+# the big EnDe target's final-state and EAGLE-3 fused heads.
+EAGLE_HEADS = [("cnndm_eagle", "cnndm_target", ()), ("ende_eagle", "ende_target", ()),
+               ("ende_big_eagle", "ende_target_big", ()),
+               ("ende_big_eagle3", "ende_target_big", (1, 4))]
+
+
+@pytest.mark.parametrize("name,target,fused", EAGLE_HEADS, ids=[h for h, _, _ in EAGLE_HEADS])
+def test_demo_eagle_heads_fit_their_targets(name, target, fused):
+  head, params = head_checkpoints.load(os.path.join(DEMO, name), kind="eagle", dtype="float32")
+  tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
   head.check_target(t5.T5(tcfg))
   head.check_params(params)
+  assert head.config.fuse_layers == fused
 
 
 # (task, target): each task's demo target and its big (T5.1.1-small-shaped) target.

@@ -420,6 +420,8 @@ def test_ablate_tiny(out, monkeypatch):
   for r in rows:
     np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(
         r["alpha"], r["gamma"], r["c"]), rtol=1e-6)
+    assert r["optimal_gamma_cost_model"] == 7 and r["setup_model"] > 0  # one gamma swept
+    assert r["target_calls"] >= 1 and r["tokens"] >= 1
   pngs = [p for k, p in paths.items() if k.startswith("png_")]
   assert len(pngs) == 3
   for p in pngs:
