@@ -175,6 +175,7 @@ def run_jobs(jobs: dict[str, Job], args) -> dict[str, dict[str, Any]]:
       print(f"[{n}/{len(jobs)}] {job.name} -> {run_dir}", flush=True)
       try:
         entry["summary"] = setups.run(job.setup, run_dir, show_progress=args.progress)
+        entry["decoded"] = _decoded_at(run_dir)
       except Exception as e:  # noqa: BLE001 - reported in the table; --fail_fast re-raises
         if args.fail_fast:
           raise
@@ -402,16 +403,29 @@ def _orderings_md(items: list[dict]) -> str:
   return "\n".join(lines) + "\n\n"
 
 
+def _decoded_at(run_dir: str) -> str | None:
+  """When a run's batches were last decoded (runs.json's latest 'finished'), or None."""
+  try:
+    with open(os.path.join(run_dir, "runs.json")) as f:
+      runs = json.load(f)
+    return max(str(r["finished"]) for r in runs.values())
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return None
+
+
 def _runs_md(rows: list[Row], results: dict) -> str:
-  lines, seen = ["## Runs", ""], set()
+  lines, seen = ["## Runs", "", "Each run's command, and when its examples were decoded (a "
+                 "rerun finds a complete run and re-measures nothing: its numbers are those "
+                 "of that time, whatever the date of this file).", ""], set()
   for row in rows:
     for cell, job in row.jobs.items():
       entry = results.get(job.key)
       if entry is None or job.key in seen:
         continue
       seen.add(job.key)
-      lines.append(f"- `{row.id}` {cell}: `{entry['command']}`")
-  return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+      when = f" (decoded {entry['decoded']})" if entry.get("decoded") else ""
+      lines.append(f"- `{row.id}` {cell}{when}: `{entry['command']}`")
+  return "\n".join(lines) + "\n" if seen else ""
 
 
 # ------------------------------------------------------------------ main
