@@ -60,8 +60,18 @@ def register(name: str, cls: type, *, from_config: Callable[[dict], Any], what: 
                           None if dtype is None else jnp.dtype(dtype))
 
 
+def _register_package_heads() -> None:
+  """Imports `spec_decode.heads`, whose networks register their kinds, so that a reader
+  finds the package's own kinds without importing the networks first. At call time, not
+  at import: the networks import this module."""
+  import importlib
+  importlib.import_module("spec_decode.heads")
+
+
 def kinds() -> tuple[str, ...]:
-  """The registered kinds (a network's module registers its kind when it is imported)."""
+  """The registered kinds: the package's own (`spec_decode.heads`) and any a user's module
+  registered (a network's module registers its kind when it is imported)."""
+  _register_package_heads()
   return tuple(sorted(_KINDS))
 
 
@@ -98,6 +108,7 @@ def load(path, *, kind: str | None = None, dtype=None) -> tuple[Any, dict]:
   the parameters' dtype (None: float32 on CPU, bfloat16 on accelerators), for kinds
   without a dtype of their own.
   """
+  _register_package_heads()
   if kind is not None and kind not in _KINDS:
     raise ValueError(f"unknown kind of head {kind!r}; registered: {kinds()}")
   path = storage.normalize(path)
