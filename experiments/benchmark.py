@@ -1,6 +1,6 @@
 r"""Step costs and throughput of one target/draft pair, all measured in one process.
 
-  python -m experiments.benchmark                      # the demo EnDe pair on its task (CPU)
+  python -m experiments.benchmark                      # the big demo EnDe target + small draft (CPU)
   python -m experiments.benchmark --target t5_1_1_tiny --draft t5_1_1_tiny \
       --draft_config '{"num_decoder_layers": 1}' --vocab_size 259 --batch_size 4
   python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_small \
@@ -375,7 +375,8 @@ def _engine_md(e) -> list[str]:
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
   """--target/--draft (preset, checkpoint or demo:NAME), their config overrides, vocab_size."""
   p.add_argument("--target", default=None, help="T5 preset (random weights), checkpoint path, or "
-                 "demo:NAME; default: the demo EnDe pair on synthetic_ende")
+                 "demo:NAME; default: the big demo EnDe target (demo:ende_target_big) and the "
+                 "small draft on synthetic_ende")
   p.add_argument("--draft", default=None)
   p.add_argument("--target_config", default=None, help="JSON T5Config overrides of a preset")
   p.add_argument("--draft_config", default=None)
@@ -383,17 +384,18 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fill_pair_defaults(p: argparse.ArgumentParser, args) -> None:
-  """No --target: the demo EnDe pair on its task and lengths (name demo_ende); else both
-  models are required, and lengths default to 64."""
+  """No --target: the big demo EnDe target and the small draft on their task and lengths
+  (name demo_ende_big; the 3.7M pair is --target demo:ende_target --draft demo:ende_small);
+  else both models are required, and lengths default to 64."""
   if args.target is None:
     if args.draft is not None:
       p.error("--draft needs --target")
     task, inputs, targets = setups.DEMO_TASKS["ende"]
-    args.target, args.draft = "demo:ende_target", "demo:ende_small"
+    args.target, args.draft = "demo:ende_target_big", "demo:ende_small"
     args.task = args.task or task
     args.input_length = args.input_length or inputs
     args.decode_len = args.decode_len or targets
-    args.name = args.name or "demo_ende"
+    args.name = args.name or "demo_ende_big"
   if args.draft is None:
     p.error("--target needs --draft")
   args.input_length = args.input_length or 64

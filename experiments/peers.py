@@ -1,6 +1,6 @@
 r"""A peer on the same weights: Hugging Face transformers' decoders next to this project's.
 
-  python -m experiments.peers                      # the demo EnDe pair on its task (CPU)
+  python -m experiments.peers                      # the big demo EnDe target + small draft (CPU)
   python -m experiments.peers --task synthetic_cnndm --target demo:cnndm_target \
       --draft demo:cnndm_small --input_length 320 --name demo_cnndm
 

@@ -296,7 +296,8 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
           "them (`experiment.measure.step_costs`: the marginal cost of one more single-token "
           "or (gamma+1)-token call in a jitted loop, target and draft timed in the same "
           "interleaved rounds, c the ratio of the medians) on its first batch."
-          " predicted = Thm 3.8 at the measured alpha and c and gamma (ours); cost model = E[tokens](alpha, "
+          " predicted = Thm 3.8 at the measured alpha and c and gamma (ours); cost model = "
+          "E[tokens](alpha, "
           "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
           "of the target's (gamma+1)-token verify call instead of one step.")
       notes.append(
@@ -358,7 +359,10 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
     return {}
   ar, spec, calls = ar / n, spec / n, calls / n
   setup = max(ar - length * t_p, 0.0)
-  model = ar / (setup + calls * (gamma * c + r) * t_p)
+  charged = setup + calls * (gamma * c + r) * t_p
+  if charged <= 0 or spec <= 0:
+    return {}
+  model = ar / charged
   return dict(setup_fraction=setup / ar, setup_model=model, setup_efficiency=(ar / spec) / model)
 
 
@@ -481,8 +485,9 @@ class _Args:
 
 
 def run(args, meta) -> list[harness.Output]:
-  pargs = _Args(args.scale, args.demo_targets, args.gamma, args.demo_models, args.checkpoints, args.num_examples,
-                args.step_timing_repeats, args.timing_repeats, tuple(args.gin_bindings))
+  pargs = _Args(args.scale, args.demo_targets, args.gamma, args.demo_models, args.checkpoints,
+                args.num_examples, args.step_timing_repeats, args.timing_repeats,
+                tuple(args.gin_bindings))
   plans = {t: plan(t, pargs) for t in args.tables}
   unknown = (args.row_filter or set()) - {r.id for rows in plans.values() for r in rows}
   if unknown:

@@ -55,7 +55,8 @@ DEMO_NAMES = {"ende_target": "demo target (3.7M)", "cnndm_target": "demo CNNDM t
               "ende_target_big": "demo big target (T5.1.1-small-shaped, 45.6M)",
               "cnndm_target_big": "demo big CNNDM target (T5.1.1-small-shaped, 45.6M)"}
 DEMO_DRAFT_NAMES = {"small": "demo small (0.44M)", "base": "demo base (0.81M)",
-                    "large": "demo large (1.87M)", "small_distilled": "demo small distilled (0.44M)",
+                    "large": "demo large (1.87M)",
+                    "small_distilled": "demo small distilled (0.44M)",
                     "target": "demo 3.7M target"}
 
 

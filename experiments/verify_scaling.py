@@ -1,6 +1,6 @@
 r"""Verify cost against target size: t(N) = T_verify(N) / T_p for N = 1 .. 16 new tokens.
 
-  python -m experiments.verify_scaling                  # demo target .. T5.1.1-base shape
+  python -m experiments.verify_scaling                  # big demo target, 3.7M target, T5.1.1 shapes
   python -m experiments.verify_scaling --models t5_1_1_tiny --tokens 1,2,5 --repeats 2
 
 Speculative decoding pays off when scoring gamma + 1 tokens in one target call
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from experiments import harness
 from experiments.harness import Column, fmt
 
-DEFAULT_MODELS = "demo:ende_target,t5_1_1_mini,t5_1_1_small,t5_1_1_base"
+DEFAULT_MODELS = "demo:ende_target_big,demo:ende_target,t5_1_1_small,t5_1_1_base"
 DEMO_VOCAB = 1536
 
 
