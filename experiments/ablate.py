@@ -162,9 +162,10 @@ def sweep(args) -> dict[str, Any]:
           "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + verify[g])
           if ok else None,
           "tokens": st["tokens"], "target_calls": st["target_calls"],
-          "setup_model": _setup_charged(t_p, float(np.median(t["autoregressive"].seconds)),
-                                        st["tokens"], st["target_calls"],
-                                        g * cm + verify[g])})
+          "setup_model": harness.setup_charged_speedup(
+              ar_seconds=float(np.median(t["autoregressive"].seconds)), tokens=st["tokens"],
+              target_calls=st["target_calls"], target_step=t_p,
+              iteration_steps=g * cm + verify[g])})
   for v_rows in _by_variant(rows).values():
     best = max(v_rows, key=lambda r: r["speedup"])
     a = _mean_alpha(v_rows)
@@ -180,18 +181,6 @@ def sweep(args) -> dict[str, Any]:
           "target": cfg.target.label, "task": cfg.task, "examples": n,
           "batch_size": cfg.batch_size, "temperature": cfg.sampling.temperature,
           "decode_len": cfg.decode_len}
-
-
-def _setup_charged(t_p: float, ar_seconds: float, tokens: float, target_calls: int,
-                   iteration_steps: float) -> float | None:
-  """The cost model charging the examples' set-up and the target calls made: AR seconds /
-  (set-up + target calls x (gamma c + T_verify / T_p) T_p), where the set-up (encoding,
-  cross-attention caches, each call's fixed cost; paid by both decoders) is the
-  autoregressive seconds less tokens x T_p (as Table 4 of experiments.reproduce)."""
-  if not target_calls or not t_p:
-    return None
-  setup = max(ar_seconds - tokens * t_p, 0.0)
-  return ar_seconds / (setup + target_calls * iteration_steps * t_p)
 
 
 def _mean_alpha(rows: list[dict]) -> float:

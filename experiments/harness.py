@@ -436,6 +436,22 @@ def rows_of(outputs: Sequence, n_rows: int) -> list[dict]:
   return rows[:n_rows]
 
 
+def setup_charged_speedup(*, ar_seconds: float, tokens: float, target_calls: float,
+                          target_step: float, iteration_steps: float) -> float | None:
+  """`experiment.measure.model_work_speedup` for a run that did not time its set-up: the
+  set-up both decoders pay (encoding, cross-attention caches, each call's fixed cost) is
+  estimated as the autoregressive seconds less tokens x T_p (target_step); the speculative
+  decoder then pays it plus target_calls x iteration_steps x T_p (iteration_steps = gamma c
+  + T_verify(gamma + 1) / T_p). Totals or per-example means alike; None without calls."""
+  from spec_decode.experiment import measure
+  if not target_calls or not target_step or not iteration_steps:
+    return None
+  setup = max(ar_seconds - tokens * target_step, 0.0)
+  return measure.model_work_speedup(
+      target_setup=[setup], draft_setup=[0.0], target_step=target_step, ar_iterations=[tokens],
+      spec_iteration=iteration_steps * target_step, spec_iterations=[target_calls])
+
+
 def decode_stats(outputs: Sequence, n_rows: int, baseline: Sequence | None = None
                  ) -> dict[str, Any]:
   """A decoder's statistics over its rows: the report's acceptance summary (alpha, observed

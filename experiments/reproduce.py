@@ -358,12 +358,12 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   if None in (n, t_p, c, r, ar, spec, length, calls, gamma) or not n or not gamma:
     return {}
   ar, spec, calls = ar / n, spec / n, calls / n
-  setup = max(ar - length * t_p, 0.0)
-  charged = setup + calls * (gamma * c + r) * t_p
-  if charged <= 0 or spec <= 0:
+  model = harness.setup_charged_speedup(ar_seconds=ar, tokens=length, target_calls=calls,
+                                        target_step=t_p, iteration_steps=gamma * c + r)
+  if model is None or not ar or not spec:
     return {}
-  model = ar / charged
-  return dict(setup_fraction=setup / ar, setup_model=model, setup_efficiency=(ar / spec) / model)
+  return dict(setup_fraction=max(ar - length * t_p, 0.0) / ar, setup_model=model,
+              setup_efficiency=(ar / spec) / model)
 
 
 def orderings(table: int, out: list[dict]) -> list[dict]:
