@@ -31,7 +31,8 @@ from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_decode.decoding.types import Proposal
 from spec_decode.decoding.verifiers.chain import greedy_verdict
 from spec_decode.heads import eagle
-from spec_decode.models import t5
+from spec_decode.kernels import cpu_matmul
+from spec_decode.models import base, t5
 from spec_decode.train import eagle as train_eagle
 from spec_decode.train import heads as train_heads
 from test_speculative import _check_greedy_rows
@@ -494,3 +495,34 @@ def test_fused_head_training_learns():
   assert result.head.target_layers == (0,)
   losses = [h["loss"] for h in result.history]
   assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_head_decodes_with_the_packed_kernel_as_a_target_does(layers):
+  """A head wide enough for the CPU kernel is laid out for it (`EagleHead.decode_params`:
+  its layer's, fc's and fuse's kernels packed, as `T5.decode_params` packs a target's), its
+  steps give the unpacked head's features, and the loop (which decodes with that layout)
+  still equals autoregressive greedy decoding."""
+  if not cpu_matmul.available():
+    pytest.skip(f"the CPU decoding kernel is not available: {cpu_matmul.unavailable_reason()}")
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V, emb_dim=256, mlp_dim=512))
+  tp = target.init(jax.random.PRNGKey(3))
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, fuse_layers=layers))
+  hp = head.init(jax.random.PRNGKey(4))
+  packed = base.decoding_params(head, hp)
+  is_packed = lambda x: isinstance(x, cpu_matmul.PackedKernel)
+  assert is_packed(packed["fc"]["kernel"]) and is_packed(packed["layers_0"]["mlp"]["wo"]["kernel"])
+  assert is_packed(packed["fuse"]["kernel"]) if layers else "fuse" not in packed
+  rs = np.random.RandomState(0)
+  enc = rs.randint(2, V, (3, S)).astype(np.int32)
+  encoded = target.encode(tp, enc)
+  D = head.d_model
+  feats = jnp.asarray(rs.randn(3, 4, D * (1 + len(layers))), jnp.float32)
+  emb = jnp.asarray(rs.randn(3, 4, D), jnp.float32)
+  got = [np.asarray(head.step(p, head.init_cache(p, encoded, 8), head.target_input(p, feats),
+                              emb)[0]) for p in (hp, packed)]
+  np.testing.assert_allclose(got[1], got[0], rtol=1e-4, atol=1e-4)
+  ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
+  out = decoding.run(_speculative(), target, tp, enc, draft=head, draft_params=hp,
+                     max_decode_len=L)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))

@@ -177,8 +177,7 @@ class EagleHead(base.ParamSpecs):
     for j, i in enumerate(c.fuse_layers, start=1):
       parts.append(t5._rms_norm(hidden_BTF[..., j * D:(j + 1) * D].astype(c.dtype),
                                 params[f"fuse_norm_{i}"]["scale"], c.layer_norm_epsilon))
-    return jnp.einsum("BTE,ED->BTD", jnp.concatenate(parts, axis=-1),
-                      params["fuse"]["kernel"].astype(c.dtype))
+    return self.block._dense(jnp.concatenate(parts, axis=-1), params["fuse"]["kernel"])
 
   def check_params(self, params) -> None:
     """Raises ValueError unless `params` has this head's names and shapes."""
@@ -192,6 +191,14 @@ class EagleHead(base.ParamSpecs):
       raise ValueError(f"an EAGLE-3 head fusing layers {self.config.fuse_layers} needs a target "
                        f"with more than {max(self.config.fuse_layers)} decoder layers, got "
                        f"{layers}")
+
+  def decode_params(self, params) -> dict:
+    """`params` laid out for decoding as a target's are (`T5.decode_params` of the head's
+    block: on XLA:CPU with float32 heads, the layer's, fc's and fuse's kernels packed for
+    the CPU decoding kernel, in bfloat16 when the head was stored in bfloat16); the same
+    values. The drafter's every step then reads the head's weights as the verify call reads
+    the target's, at half the bytes of XLA's float32 dots."""
+    return dict(self.block.decode_params({"decoder": dict(params)})["decoder"])
 
   # ------------------------------------------------------------------ running
   def init_cache(self, params, encoded: t5.EncoderOutput, max_decode_len: int) -> t5.DecodeCache:
@@ -221,8 +228,7 @@ class EagleHead(base.ParamSpecs):
                      c.layer_norm_epsilon)
     e = t5._rms_norm(embeddings_BTD.astype(c.dtype), params["token_norm"]["scale"],
                      c.layer_norm_epsilon)
-    x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([f, e], axis=-1),
-                   params["fc"]["kernel"].astype(c.dtype))
+    x = block._dense(jnp.concatenate([f, e], axis=-1), params["fc"]["kernel"])
     offsets = cache.lengths
     bias, mask = block.self_attention_geometry(params["relpos_bias"]["rel_embedding"], offsets,
                                                T, cache.max_length, positions, tree_mask)

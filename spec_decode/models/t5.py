@@ -709,7 +709,7 @@ class T5(base.ParamSpecs):
     return self._decode(params, cache, decoder_input_tokens).logits
 
 
-_PACKED = cpu_matmul.PackCache()
+_PACKED = cpu_matmul.PackCache(size=8)  # a target, drafts and heads decoded side by side
 
 
 @functools.lru_cache(maxsize=None)
