@@ -14,6 +14,10 @@ task's first --num_examples test inputs, batch 1) and temperature, on the same k
                                   so far; nothing proposed where nothing matches);
   lookup, <= 2 after a 1-gram     the same, proposing at most 2 tokens after a single-token
                                   match (`tokens_per_ngram=(2, gamma)`);
+  lookup tree, 2 matches          `LookupTreeDrafter(width=2)` with `TreeVerifier`: the
+                                  continuations of the two best different matches, a tree
+                                  of up to 2 gamma nodes (verify calls trimmed to the rows'
+                                  nodes);
   layer skip k                    `LayerSkipDrafter(layers=k)` for k in --layers: the target's
                                   own first k decoder layers, final norm and LM head;
   layer skip k + exit adapter     `LayerSkipDrafter(layers=k, adapter=True)`: the same after
@@ -144,11 +148,14 @@ def decoders(args, adapter=None) -> dict[str, tuple[Any, str | None]]:
   `adapter`: the exit adapter, if the task has one."""
   from spec_decode import decoding
   from spec_decode.decoding.drafters.layer_skip import LayerSkipDrafter
-  from spec_decode.decoding.drafters.lookup import LookupDrafter
+  from spec_decode.decoding.drafters.lookup import LookupDrafter, LookupTreeDrafter
   g = args.gamma
   spec = lambda drafter: decoding.Speculative(gamma=g, drafter=drafter)
   out = {"lookup": (spec(LookupDrafter()), None),
-         "lookup, <= 2 after a 1-gram": (spec(LookupDrafter(tokens_per_ngram=(2, g))), None)}
+         "lookup, <= 2 after a 1-gram": (spec(LookupDrafter(tokens_per_ngram=(2, g))), None),
+         "lookup tree, 2 matches": (decoding.Speculative(
+             gamma=g, drafter=LookupTreeDrafter(width=2), verifier=decoding.TreeVerifier()),
+             None)}
   for k in args.layers:
     out[f"layer skip {k}"] = (spec(LayerSkipDrafter(layers=k)), None)
   if adapter is not None:

@@ -4,9 +4,13 @@ trimmed to the longest proposal (`Speculative.trim_verify`).
 
 * `lookup`: the longest n-gram wins, its first occurrence, continuations cut at the end of
   the source's real tokens or of the output so far, no match -> nothing, per row.
+* `lookup_tree`: the best different matches' continuations, a longer n-gram's first,
+  shared prefixes as one trie (siblings carry different tokens), the real nodes first and
+  parents before children, nothing without a match, per row.
 * Greedy identity with autoregressive decoding: lookup (alone, with the draft model or the
-  target's first layer as its fallback, capped per n-gram size) and layer skipping, with
-  the chain and block verifiers, trimmed verify calls or not.
+  target's first layer as its fallback, capped per n-gram size), the lookup tree (tree
+  verifier) and layer skipping, with the chain and block verifiers, trimmed verify calls
+  or not.
 * Exactness: sequence-level chi-square against the target's enumerated law at t=1 and with
   top-k / top-p, each case checking the drafter really proposed and was accepted. Negative
   control: a lookup whose rows keep the draft model's q for the tokens it substituted (the
@@ -28,13 +32,15 @@ from tiers import tiered
 from spec_decode import decoding
 from spec_decode.decoding.algorithms.speculative import verify_sizes
 from spec_decode.decoding.drafters import layer_skip
-from spec_decode.decoding.drafters.lookup import LookupDrafter, lookup
+from spec_decode.decoding.drafters.lookup import (LookupDrafter, LookupTreeDrafter, lookup,
+                                                  lookup_tree)
 from spec_decode.decoding.types import Proposal
 from spec_decode.models import t5
 from spec_decode.models.testing import MarkovDecoder
 
 S = decoding.Sampling
 CHAIN, BLOCK = decoding.ChainVerifier(), decoding.BlockVerifier()
+TREE = decoding.TreeVerifier()
 Skip = layer_skip.LayerSkipDrafter
 
 
@@ -99,6 +105,67 @@ def test_tokens_per_ngram_caps_the_proposal():
   assert proposed([5, 4, 0], 2) == [8, 5, 4]  # two or more tokens: at most 3
 
 
+def _tree(source, output, m, width=2, depth=3, **kw):
+  """(tokens, parents) of the real nodes of `lookup_tree`'s one-row tree, and its ngrams."""
+  tokens, parent, ngram = lookup_tree(jnp.asarray([source], jnp.int32),
+                                      jnp.asarray([output], jnp.int32), jnp.asarray([m]),
+                                      width=width, depth=depth,
+                                      max_ngram=kw.pop("max_ngram", 3), **kw)
+  tokens, parent = np.asarray(tokens)[0], np.asarray(parent)[0]
+  k = int(np.sum(parent >= -1))
+  assert np.all(parent[k:] == -2)  # the real nodes first
+  assert all(-1 <= parent[i] < i for i in range(k))  # parents first
+  return tokens[:k].tolist(), parent[:k].tolist(), np.asarray(ngram)[0].tolist()
+
+
+def _paths(tokens, parents):
+  """Every root-to-leaf path of a tree, as token lists."""
+  kids = {i: [j for j, p in enumerate(parents) if p == i] for i in range(-1, len(parents))}
+  out = []
+
+  def walk(i, path):
+    if not kids[i]:
+      out.append(path)
+    for j in kids[i]:
+      walk(j, path + [tokens[j]])
+  walk(-1, [])
+  return sorted(out)
+
+
+def test_lookup_tree_holds_several_matches_continuations():
+  src = [5, 6, 7, 8, 9, 6, 7, 4, 2, 1, 0, 0]
+  tokens, parents, ngram = _tree(src, [6, 7, 0, 0], 2)
+  assert _paths(tokens, parents) == [[4, 2, 1], [8, 9, 6]] and ngram == [2, 2]
+  # the first branch is the chain lookup's proposal
+  chain, length, _ = lookup(jnp.asarray([src]), jnp.asarray([[6, 7, 0, 0]]), jnp.asarray([2]),
+                            num=3, max_ngram=3)
+  assert tokens[0] == 8 and np.asarray(chain)[0, :int(length[0])].tolist() == [8, 9, 6]
+  # a longer n-gram's match ranks first; a shorter one's fills the second branch
+  tokens, parents, ngram = _tree([3, 7, 8, 5, 6, 7, 9, 1], [5, 6, 7], 3)
+  assert ngram == [3, 1] and _paths(tokens, parents) == [[8, 5, 6], [9, 1]]
+  assert tokens[0] == 9  # "5 6 7" -> 9 first
+
+
+def test_lookup_tree_shares_prefixes_and_drops_repeats():
+  # "6" is followed by "7 8 3" and by "7 8 4": one trie, branching at depth 3
+  tokens, parents, _ = _tree([5, 6, 7, 8, 3, 6, 7, 8, 4, 1], [6, 0, 0, 0], 1)
+  assert tokens == [7, 8, 3, 4] and parents == [-1, 0, 1, 1]
+  # the same continuation twice is one branch; the next different one takes the other slot
+  tokens, parents, _ = _tree([6, 7, 8, 6, 7, 8, 6, 9, 1], [6, 0], 1, depth=2)
+  assert _paths(tokens, parents) == [[7, 8], [9, 1]]
+
+
+def test_lookup_tree_without_a_match_is_empty_and_rows_are_independent():
+  assert _tree([5, 6, 1, 0], [3, 0, 0], 1) == ([], [], [0, 0])
+  assert _tree([5, 6, 1, 0], [0, 0, 0], 0) == ([], [], [0, 0])  # nothing committed yet
+  src = np.array([[5, 6, 7, 8, 1], [2, 2, 3, 1, 0]], np.int32)
+  out = np.array([[6, 0, 0], [3, 0, 0]], np.int32)
+  tokens, parent, _ = lookup_tree(jnp.asarray(src), jnp.asarray(out), jnp.asarray([1, 1]),
+                                  width=2, depth=2, max_ngram=2)
+  assert np.asarray(tokens)[0, :2].tolist() == [7, 8] and np.asarray(parent)[0, :2].tolist() == [-1, 0]
+  assert np.asarray(tokens)[1, :1].tolist() == [1] and np.asarray(parent)[1].tolist()[1:] == [-2] * 3
+
+
 def _ctx(encoder_tokens):
   B = encoder_tokens.shape[0]
   return decoding.runner.LoopContext(
@@ -141,13 +208,16 @@ GREEDY = {
     "lookup_fallback_model_block": (LookupDrafter(fallback=decoding.ModelDrafter()), BLOCK,
                                     True, True),
     "lookup_fallback_skip_chain": (LookupDrafter(fallback=Skip(layers=1)), CHAIN, False, True),
+    "lookup_tree": (LookupTreeDrafter(), TREE, False, True),
+    "lookup_tree_untrimmed_w3": (LookupTreeDrafter(width=3, depth=2), TREE, False, False),
     "skip_chain": (Skip(layers=1), CHAIN, False, True),
     "skip_block": (Skip(layers=1), BLOCK, False, True),
 }
 
 
 @pytest.mark.parametrize("name", tiered(list(GREEDY), fast=("lookup_chain", "skip_chain",
-                                                            "lookup_fallback_model_block")))
+                                                            "lookup_fallback_model_block",
+                                                            "lookup_tree")))
 def test_greedy_equals_autoregressive(name):
   drafter, verifier, with_draft, trim = GREEDY[name]
   target, tp, (dm, dp), enc, ar = _greedy_setup()
@@ -207,6 +277,10 @@ CASES = {
     "lookup_fallback_chain_mk_far_t1_g3": ("mk", S(1.0), 3,
                                            LookupDrafter(fallback=decoding.ModelDrafter()),
                                            CHAIN, "far", 1, ex.rows(), 503),
+    "lookup_tree_mk_t1_g3": ("mk", S(1.0), 3, LookupTreeDrafter(), TREE, None, 3,
+                             ex.rows(6 / 5), 506),
+    "lookup_tree_w3_mk_topk3_g2": ("mk", S(1.0, top_k=3), 2, LookupTreeDrafter(width=3), TREE,
+                                   None, 3, ex.rows(6 / 5), 507),
     "skip_chain_t5_t1_g3": ("t5", S(1.0), 3, Skip(layers=1), CHAIN, None, 1, ex.rows(2 / 3),
                             504),
     "skip_block_t5_topp0.9_g2": ("t5", S(1.0, top_p=0.9), 2, Skip(layers=1), BLOCK, None, 2,
@@ -227,7 +301,8 @@ def _run(name):
 
 
 @pytest.mark.parametrize("name", tiered([n for n in CASES if not n.startswith("keeps")],
-                                        fast=("lookup_chain_mk_t1_g3", "skip_chain_t5_t1_g3")))
+                                        fast=("lookup_chain_mk_t1_g3", "skip_chain_t5_t1_g3",
+                                              "lookup_tree_mk_t1_g3")))
 def test_draft_free_drafters_are_exact(name):
   result, groups, laws = _run(name)
   st = result.stats
@@ -248,8 +323,10 @@ def test_negative_control_a_lookup_keeping_the_draft_q_is_rejected():
 # ------------------------------------------------------------- no draft model, errors
 def test_the_draft_free_drafters_take_no_draft_model():
   target, tp, (dm, dp), enc, _ = _greedy_setup()
-  for drafter in (LookupDrafter(), Skip(layers=1), LookupDrafter(fallback=Skip(layers=1))):
-    algo = decoding.Speculative(gamma=2, drafter=drafter)
+  for drafter, verifier in ((LookupDrafter(), CHAIN), (Skip(layers=1), CHAIN),
+                            (LookupDrafter(fallback=Skip(layers=1)), CHAIN),
+                            (LookupTreeDrafter(), TREE)):
+    algo = decoding.Speculative(gamma=2, drafter=drafter, verifier=verifier)
     assert not algo.needs_draft
     with pytest.raises(ValueError, match="uses no draft model"):
       decoding.run(algo, target, tp, enc, draft=dm, draft_params=dp, max_decode_len=4)
@@ -288,6 +365,20 @@ def test_layer_skip_reads_the_targets_own_weights():
 def test_bad_lookup_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LookupDrafter(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(width=0), "width"), (dict(depth=0), "depth"), (dict(depth=2.5), "depth"),
+    (dict(max_ngram=True), "max_ngram"), (dict(min_ngram=4), "min_ngram 4"),
+    (dict(search_output="yes"), "search_output")])
+def test_bad_lookup_tree_settings(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    LookupTreeDrafter(**kwargs)
+
+
+def test_lookup_tree_needs_a_tree_verifier():
+  with pytest.raises(ValueError, match="proposes trees but ChainVerifier verifies chains"):
+    decoding.Speculative(gamma=2, drafter=LookupTreeDrafter())
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -12,8 +12,8 @@ from spec_decode.decoding import registry
 from spec_decode.decoding.algorithms import Autoregressive, Speculative, autoregressive, speculative
 from spec_decode.decoding.drafters import (AdaptiveDrafter, Drafter, EagleDrafter,
                                            EagleTreeDrafter, LayerSkipDrafter, LookupDrafter,
-                                           MedusaDrafter, ModelDrafter, MtpDrafter,
-                                           SampledTreeDrafter, TreeDrafter)
+                                           LookupTreeDrafter, MedusaDrafter, ModelDrafter,
+                                           MtpDrafter, SampledTreeDrafter, TreeDrafter)
 from spec_decode.decoding.runner import Algorithm, row_keys, run
 from spec_decode.decoding.sampling import Sampling, sample_from
 from spec_decode.decoding.types import (Committed, DecodeResult, DecodeStats, Proposal,
@@ -25,8 +25,8 @@ compile_options.unroll_threefry_on_cpu()  # random draws in decoding loops: see 
 
 __all__ = ["AdaptiveDrafter", "Algorithm", "Autoregressive", "BlockVerifier", "ChainVerifier",
            "Committed", "DecodeResult", "DecodeStats", "Drafter", "EagleDrafter",
-           "EagleTreeDrafter", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter",
-           "ModelDrafter", "MtpDrafter", "Proposal", "SampledTreeDrafter", "Sampling",
-           "Speculative", "TreeDrafter", "TreeRRSVerifier",
-           "TreeVerifier", "Verdict", "Verifier", "autoregressive", "registry", "row_keys", "run",
-           "sample_from", "speculative"]
+           "EagleTreeDrafter", "LayerSkipDrafter", "LookupDrafter", "LookupTreeDrafter",
+           "MedusaDrafter", "ModelDrafter", "MtpDrafter", "Proposal", "SampledTreeDrafter",
+           "Sampling", "Speculative", "TreeDrafter", "TreeRRSVerifier", "TreeVerifier", "Verdict",
+           "Verifier", "autoregressive", "registry", "row_keys", "run", "sample_from",
+           "speculative"]

@@ -71,7 +71,7 @@ class Speculative(runner.Algorithm):
   unchanged, the iterations after most rows finished cost a smaller batch.
   trim_verify: for drafters whose proposals often fall short of gamma
   (`Drafter.varies_length`: source lookup), verify only as many positions as the longest
-  active row needs, among `verify_sizes(K)` (see `_verify_chain`); outputs unchanged.
+  active row needs, among `verify_sizes(K)` (see `_verify_call`); outputs unchanged.
   """
   gamma: int = 4
   lenience: float = 1.0
@@ -193,15 +193,15 @@ class Speculative(runner.Algorithm):
       layers = self.drafter.target_layers(ctx.draft)  # multi-layer features, when asked
       extra = {"layers": layers} if layers else {}
       if self.verifier.chain_only:
-        out = self._verify_chain(target, params, s.target_cache, target_in, proposal, active,
-                                 extra)
+        out = self._verify_call(target, params, s.target_cache, target_in, proposal, active,
+                                extra)
       else:
         depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), proposal.depths()], axis=1)
         tree = proposal.ancestor_mask()  # among the nodes; every node sees s_m
         mask = jnp.concatenate([jnp.zeros((B, 1, K), bool), tree], axis=1)
         mask = jnp.concatenate([jnp.ones((B, K + 1, 1), bool), mask], axis=2)
-        out = target.decode(params, s.target_cache, target_in, positions=m[:, None] + depth,
-                            tree_mask=mask, **extra)
+        out = self._verify_call(target, params, s.target_cache, target_in, proposal, active,
+                                extra, tree=(m[:, None] + depth, mask))
       target_cache = ctx.constrain_cache(out.cache, "target")
       if sampling.greedy and self.verifier.chain_only and self.verifier.greedy_is_matching:
         verdict = greedy_verdict(jnp.argmax(out.logits, axis=-1).astype(jnp.int32), proposal)
@@ -252,28 +252,37 @@ class Speculative(runner.Algorithm):
 
     return body
 
-  def _verify_chain(self, target, params, cache, target_in, proposal, active, extra):
-    """The target's call on [s_m, chain] (target_in [B, K + 1]). A chain of a drafter that
-    often proposes fewer than K tokens (`Drafter.varies_length`) is scored on only the first
+  def _verify_call(self, target, params, cache, target_in, proposal, active, extra,
+                   tree=None):
+    """The target's call on [s_m, proposal] (target_in [B, K + 1]; tree: (positions
+    [B, K + 1], tree_mask [B, K + 1, K + 1]) for a tree). The proposal of a drafter that
+    often proposes fewer than K tokens (`Drafter.varies_length`: a chain of `length`
+    tokens, or a tree with its real nodes first) is scored on only the first
     `verify_sizes` entry that holds 1 + the longest active row's proposal (a lax.switch
     over those sizes; logits and states padded back to K + 1, never read past a row's
-    length), so a step where no row proposes anything costs one target step."""
+    proposal), so a step where no row proposes anything costs one target step."""
     K1 = target_in.shape[1]
-    if proposal.length is None or not (self.trim_verify and self.drafter.varies_length):
-      return target.decode(params, cache, target_in, **extra)
-    sizes = verify_sizes(K1 - 1)
-    need = 1 + jnp.max(jnp.where(active, proposal.proposed, 0))
-    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
 
     def call(T):
       def run(cache, target_in):
-        out = target.decode(params, cache, target_in[:, :T], **extra)
+        kw = dict(extra)
+        if tree is not None:
+          kw.update(positions=tree[0][:, :T], tree_mask=tree[1][:, :T, :T])
+        out = target.decode(params, cache, target_in[:, :T], **kw)
+        if T == K1:
+          return out
         pad = lambda x: None if x is None else jnp.pad(
             x, [(0, 0), (0, K1 - T)] + [(0, 0)] * (x.ndim - 2))
         return out.replace(logits=pad(out.logits), hidden=pad(out.hidden),
                            features=pad(out.features))
       return run
 
+    trims = self.trim_verify and self.drafter.varies_length
+    if not trims or (tree is None and proposal.length is None):
+      return call(K1)(cache, target_in)
+    sizes = verify_sizes(K1 - 1)
+    need = 1 + jnp.max(jnp.where(active, proposal.proposed, 0))
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
     return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), [call(T) for T in sizes], cache,
                           target_in)
 

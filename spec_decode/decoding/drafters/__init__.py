@@ -31,7 +31,7 @@ for _module in pkgutil.iter_modules(__path__):  # registration: every drafter mo
 from spec_decode.decoding.drafters.adaptive import AdaptiveDrafter  # noqa: E402
 from spec_decode.decoding.drafters.eagle import EagleDrafter, EagleTreeDrafter  # noqa: E402
 from spec_decode.decoding.drafters.layer_skip import LayerSkipDrafter  # noqa: E402
-from spec_decode.decoding.drafters.lookup import LookupDrafter  # noqa: E402
+from spec_decode.decoding.drafters.lookup import LookupDrafter, LookupTreeDrafter  # noqa: E402
 from spec_decode.decoding.drafters.medusa import MedusaDrafter  # noqa: E402
 from spec_decode.decoding.drafters.model import ModelDrafter  # noqa: E402
 from spec_decode.decoding.drafters.mtp import MtpDrafter  # noqa: E402
@@ -39,5 +39,5 @@ from spec_decode.decoding.drafters.sampled_tree import SampledTreeDrafter  # noq
 from spec_decode.decoding.drafters.tree import TreeDrafter  # noqa: E402
 
 __all__ = ["AdaptiveDrafter", "Drafter", "EagleDrafter", "EagleTreeDrafter", "LayerSkipDrafter",
-           "LookupDrafter", "MedusaDrafter", "ModelDrafter", "MtpDrafter", "SampledTreeDrafter",
-           "TreeDrafter"]
+           "LookupDrafter", "LookupTreeDrafter", "MedusaDrafter", "ModelDrafter", "MtpDrafter",
+           "SampledTreeDrafter", "TreeDrafter"]

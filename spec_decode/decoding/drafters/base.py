@@ -43,7 +43,7 @@ class Drafter:
   varies_length: whether a proposal's length often falls short of gamma (a lookup that
   matched nothing proposes none); the speculative loop then verifies only as many
   positions as the longest row proposed (`Speculative.trim_verify`), at the price of a
-  compiled verify call per size.
+  compiled verify call per size; such a tree lists its real nodes first.
   """
   needs_draft_model: ClassVar[bool] = True
   varies_length: ClassVar[bool] = False
