@@ -90,6 +90,20 @@ def test_demo_eagle_heads_fit_their_targets(name, target, fused):
   assert head.config.fuse_layers == fused
 
 
+# (Medusa heads, the target they were trained on, heads).
+MEDUSA_HEADS = [("ende_medusa", "ende_target", 4), ("cnndm_medusa", "cnndm_target", 4),
+                ("ende_big_medusa", "ende_target_big", 4)]
+
+
+@pytest.mark.parametrize("name,target,num", MEDUSA_HEADS, ids=[h for h, _, _ in MEDUSA_HEADS])
+def test_demo_medusa_heads_fit_their_targets(name, target, num):
+  heads, params = head_checkpoints.load(os.path.join(DEMO, name), kind="medusa")
+  tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
+  heads.check_target(t5.T5(tcfg))
+  heads.check_params(params)
+  assert heads.num_heads == num
+
+
 # (task, target): each task's demo target and its big (T5.1.1-small-shaped) target.
 TARGETS = [("cnndm", "cnndm_target"), ("cnndm", "cnndm_target_big"), ("ende", "ende_target"),
            ("ende", "ende_target_big")]
