@@ -264,3 +264,55 @@ def test_many_compiled_loops_never_crash_the_process():
   proc = run(1000, 2)
   assert proc.returncode == 3, (proc.stdout, proc.stderr)
   assert "refused 1" in proc.stdout and "vm.max_map_count" in proc.stdout
+
+
+_COMPILES = []  # backend compiles seen by the listener below (registered once per process)
+
+
+def _count_compiles(name, *_, **__):
+  if name == "/jax/core/compile/backend_compile_duration":
+    _COMPILES.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def test_a_release_during_warm_up_is_followed_by_a_second_warm_up(fresh, monkeypatch, tmp_path):
+  """An experiment compiles each decoder before its timed batches; when the process drops
+  its compiled programs while a later decoder compiles (`before_compile` finding the memory
+  maps crowded), the decoders compiled before are compiled again, untimed: no timed batch
+  includes a compile."""
+  from spec_decode import experiment
+  from spec_decode.cli import gin as gin_layer
+  from spec_decode.decoding import timing
+  from spec_decode.experiment import run as run_module
+  config = gin_layer.parse_experiment(["configs/toy_random.gin"], [
+      "NUM_EXAMPLES = 4", "BATCH_SIZE = 4", "ExperimentConfig.step_timing_repeats = 1"])
+  checks = []
+
+  def use():  # crowded at the second new program's check: the baseline's is dropped then
+    checks.append(1)
+    return (60000, 65530) if len(checks) == 2 else (1000, 65530)
+
+  monkeypatch.setattr(footprint, "memory_map_use", use)
+  monkeypatch.setattr(footprint, "release_executables_if_crowded", lambda *a, **k: False)
+  timed_compiles, measuring = [], []
+  real_timed, real_measure = timing.timed, run_module.measure.measure_step_times
+
+  def timed(fn, **kw):
+    before = len(_COMPILES)
+    out = real_timed(fn, **kw)
+    if "repeats" in kw and not measuring:  # a timed batch (warm-up calls take the default)
+      timed_compiles.append(len(_COMPILES) - before)
+    return out
+
+  def measure_step_times(*a, **k):  # the step costs after the batches compile their own
+    measuring.append(1)
+    return real_measure(*a, **k)
+
+  monkeypatch.setattr(timing, "timed", timed)
+  monkeypatch.setattr(run_module.measure, "measure_step_times", measure_step_times)
+  released = footprint.releases()
+  experiment.run_experiment(config, output_dir=str(tmp_path / "run"), show_progress=False)
+  assert footprint.releases() == released + 1
+  assert timed_compiles and all(n == 0 for n in timed_compiles), timed_compiles

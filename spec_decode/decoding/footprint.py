@@ -260,10 +260,23 @@ def _release_if_crowded(use: tuple[int, int] | None, fraction: float = 0.5) -> b
   """`release_executables_if_crowded` from a reading of `memory_map_use` already made."""
   if use is None or use[0] <= fraction * use[1]:
     return False
+  global _RELEASES
   logging.info("releasing compiled executables: %d of %d memory maps in use", *use)
   jax.clear_caches()
   _SEEN.clear()
+  _RELEASES += 1
   return True
+
+
+_RELEASES = 0
+
+
+def releases() -> int:
+  """How many times this process has dropped its compiled executables
+  (`release_executables_if_crowded`, `before_compile`): a caller that compiled several
+  programs in a row (a warm-up) compares it before and after to learn whether the first
+  ones were dropped again while the later ones compiled."""
+  return _RELEASES
 
 
 class MemoryMapsExhausted(MemoryError):
