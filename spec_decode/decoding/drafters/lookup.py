@@ -169,6 +169,25 @@ def lookup_tree(source_BS, output_BR, length_B, *, width: int, depth: int, max_n
           jnp.stack(ngrams, axis=1).astype(jnp.int32))
 
 
+def _is_count(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_search(drafter, *counts: str) -> None:
+  """Raises ValueError naming the drafter's class unless its n-gram sizes (and the other
+  fields `counts`) are ints >= 1, min_ngram <= max_ngram and search_output a bool."""
+  what = type(drafter).__name__
+  for name in counts + ("max_ngram", "min_ngram"):
+    v = getattr(drafter, name)
+    if not _is_count(v):
+      raise ValueError(f"{what}.{name} must be an int >= 1, got {v!r}")
+  if drafter.min_ngram > drafter.max_ngram:
+    raise ValueError(f"{what}: min_ngram {drafter.min_ngram} > max_ngram {drafter.max_ngram}")
+  if not isinstance(drafter.search_output, bool):
+    raise ValueError(f"{what}.search_output must be True or False, got "
+                     f"{drafter.search_output!r}")
+
+
 @registry.drafter("lookup")
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(Drafter):
@@ -194,16 +213,7 @@ class LookupDrafter(Drafter):
   varies_length = True
 
   def __post_init__(self):
-    for name in ("max_ngram", "min_ngram"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"LookupDrafter.{name} must be an int >= 1, got {v!r}")
-    if self.min_ngram > self.max_ngram:
-      raise ValueError(f"LookupDrafter: min_ngram {self.min_ngram} > max_ngram "
-                       f"{self.max_ngram}")
-    if not isinstance(self.search_output, bool):
-      raise ValueError(f"LookupDrafter.search_output must be True or False, got "
-                       f"{self.search_output!r}")
+    _check_search(self)
     t = self.tokens_per_ngram
     if t is not None:
       if isinstance(t, list):
@@ -297,19 +307,10 @@ class LookupTreeDrafter(Drafter):
   varies_length = True
 
   def __post_init__(self):
-    for name in ("width", "max_ngram", "min_ngram"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"LookupTreeDrafter.{name} must be an int >= 1, got {v!r}")
+    _check_search(self, "width")
     d = self.depth
-    if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+    if d is not None and not _is_count(d):
       raise ValueError(f"LookupTreeDrafter.depth must be None or an int >= 1, got {d!r}")
-    if self.min_ngram > self.max_ngram:
-      raise ValueError(f"LookupTreeDrafter: min_ngram {self.min_ngram} > max_ngram "
-                       f"{self.max_ngram}")
-    if not isinstance(self.search_output, bool):
-      raise ValueError(f"LookupTreeDrafter.search_output must be True or False, got "
-                       f"{self.search_output!r}")
 
   def proposal_size(self, gamma: int) -> int:
     return self.width * (self.depth or gamma)
