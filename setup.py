@@ -11,7 +11,8 @@ setuptools.setup(
     ),
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["spec_decode", "spec_decode.*"]),
-    package_data={"spec_decode.data.synthetic": ["*.model"], "spec_decode.kernels": ["*.cc"]},
+    package_data={"spec_decode.data.synthetic": ["*.model"], "spec_decode.kernels": ["*.cc"],
+                  "spec_decode": ["*.cc"]},
     install_requires=[
         "jax>=0.4.30",
         "flax>=0.8",

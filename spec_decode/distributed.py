@@ -23,18 +23,25 @@ a process stopped), from a watchdog that every process runs over the coordinatio
 service's key-value store (`Watchdog`). The CLI's line also says how many
 examples are saved and that the same command, rerun on every host, resumes.
 Without this, JAX waits for its own heartbeat timeout (100 s by default) and
-then aborts every survivor with a C++ check failure.
+then aborts every survivor with a C++ check failure. When process 0 (which hosts
+JAX's coordination service) is the one lost, the others' JAX clients abort at
+once from C++; a SIGABRT handler (`_arm_coordinator_abort`) then prints the same
+line after JAX's message and exits EXIT_HOST_LOST.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -42,7 +49,7 @@ import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 
-from spec_decode import partitioning
+from spec_decode import native, partitioning
 
 
 # The exit code of a process that ends because another process of its run was lost
@@ -126,6 +133,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int = 1,
                              heartbeat_timeout_seconds=jax_heartbeat_timeout(heartbeat_timeout_s),
                              shutdown_timeout_seconds=shutdown_timeout_s)
   _start_watchdog(heartbeat_timeout_s)
+  if process_id != 0:
+    _arm_coordinator_abort(coordinator_address)
   return True
 
 
@@ -220,11 +229,19 @@ def describe_lost(lost: list[int] | None) -> str:
           "processes " + ", ".join(str(p) for p in lost) + " were lost")
 
 
-def on_host_lost(line: Callable[[list[int] | None], str] | None) -> None:
+def on_host_lost(line: Callable[[list[int] | None], str] | None,
+                 coordinator_lost: tuple[str, str, str] | None = None) -> None:
   """Sets the line this process ends with when its watchdog finds a process lost
   (`line(lost)`, lost as in `peer_lost`; then `exit_host_lost`); None restores the
-  plain default. The CLI names the saved examples and the resume command here."""
+  plain default. The CLI names the saved examples and the resume command here.
+
+  coordinator_lost: the line for process 0's loss as JAX's abort finds it (see
+  `_arm_coordinator_abort`), as (head, path, tail): head, the number of lines of the
+  file at path counted at that moment, tail; path '' for no count. Default: `line([0])`
+  as it reads now.
+  """
   _host_lost_line[:] = [line] if line is not None else []
+  _set_abort_line(coordinator_lost)
 
 
 def exit_host_lost(line: str, error: BaseException | None = None) -> None:
@@ -238,6 +255,9 @@ def exit_host_lost(line: str, error: BaseException | None = None) -> None:
   """
   _exiting.acquire()  # a second caller (the other path to the same loss) waits for the exit
   try:
+    # JAX's client may abort from C++ while this process exits (process 0 gone): the
+    # abort handler then ends it with this same line, after JAX's message.
+    _quietly(lambda: _abort_decided(line))
     _quietly(sys.stdout.flush)
     if error is not None:
       _quietly(lambda: traceback.print_exception(error, file=sys.stderr))
@@ -290,9 +310,10 @@ class Watchdog:
   would replace the abort cannot be set from Python in this jaxlib (passing one
   fails to convert its status argument and terminates the process). So JAX's
   heartbeat timeout is set later (`jax_heartbeat_timeout`) and this watchdog
-  decides first. One case stays JAX's: when process 0 (which hosts the service)
-  dies, the other processes' JAX clients abort at once as its connection closes,
-  unless a failed collective ends them first (the usual case mid-decode).
+  decides first. When process 0 (which hosts the service) dies, the other
+  processes' JAX clients abort at once as its connection closes, unless a failed
+  collective ends them first (the usual case mid-decode); `_arm_coordinator_abort`
+  turns that abort into the run's line.
   """
 
   KEY_PREFIX = "spec_decode/alive/"
@@ -379,12 +400,100 @@ def _start_watchdog(timeout_s: int) -> None:
     try:
       jax.distributed.shutdown()
     finally:
+      disarm_coordinator_abort()
       for w in _watchdog:
         w.stop()
         for t in w.threads:  # no round trip left in flight on the closed client
           t.join(timeout=5)
 
   atexit.register(shutdown_watched)  # runs before JAX's own exit handler (registered earlier)
+
+
+# --------------------------------------------------- process 0 (the coordinator) lost
+# Process 0 hosts JAX's coordination service. When it dies, the other processes' JAX
+# clients abort at once from a C++ thread (LOG(FATAL), abort()), before the watchdog or a
+# failed collective can say anything, and jaxlib takes no Python callback in place of the
+# abort. A small SIGABRT handler (host_abort.cc, built at first use) looks at the abort:
+# when the coordinator no longer accepts connections, it writes the run's line (the one
+# `on_host_lost` sets, with the saved examples counted then) after JAX's message and exits
+# EXIT_HOST_LOST; any other abort goes on unchanged. Without a C++ compiler the abort
+# stays JAX's.
+_ABORT_SOURCE = Path(__file__).with_name("host_abort.cc")
+_ABORT_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
+# How long the handler waits for the coordinator to accept a connection before it counts
+# it as gone (a host cut off, rather than a process killed, does not refuse).
+COORDINATOR_PROBE_TIMEOUT_MS = 2000
+_abort: dict[str, Any] = {}  # 'lib' once loaded; 'armed' while the handler is installed
+
+
+def _abort_library():
+  if "lib" not in _abort:
+    lib = ctypes.CDLL(str(native.build(_ABORT_SOURCE, _ABORT_FLAGS)))
+    lib.spec_decode_abort_arm.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_int]
+    lib.spec_decode_abort_arm.restype = ctypes.c_int
+    lib.spec_decode_abort_line.argtypes = [ctypes.c_char_p] * 3
+    lib.spec_decode_abort_line.restype = None
+    for name in ("spec_decode_abort_disarm", "spec_decode_abort_decided"):
+      getattr(lib, name).argtypes, getattr(lib, name).restype = [], None
+    _abort["lib"] = lib
+  return _abort["lib"]
+
+
+def coordinator_ip_port(address: str) -> tuple[str, int]:
+  """'host:port' or '[v6]:port' -> (an IP address of host, port); ValueError otherwise."""
+  host, sep, port = address.rpartition(":")
+  host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"coordinator address must be host:port, got {address!r}")
+  try:
+    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+  except OSError as e:
+    raise ValueError(f"coordinator host {host!r} does not resolve: {e}") from None
+  return infos[0][4][0], int(port)
+
+
+def _arm_coordinator_abort(coordinator_address: str,
+                           timeout_ms: int = COORDINATOR_PROBE_TIMEOUT_MS) -> str | None:
+  """Installs the SIGABRT handler for process 0's loss; None when armed, else why not
+  (logged: the abort then stays JAX's)."""
+  try:
+    ip, port = coordinator_ip_port(coordinator_address)
+    if _abort_library().spec_decode_abort_arm(ip.encode(), port, int(timeout_ms),
+                                              EXIT_HOST_LOST) != 0:
+      raise RuntimeError(f"cannot install a SIGABRT handler for {ip}:{port}")
+  except Exception as e:  # no compiler, an odd address: JAX's abort, as before
+    logging.info("spec_decode: losing process 0 will end in JAX's abort (%s)", e)
+    return str(e)
+  _abort["armed"] = True
+  _set_abort_line(_abort.get("parts"))
+  return None
+
+
+def _set_abort_line(parts: tuple[str, str, str] | None) -> None:
+  """Keeps `on_host_lost`'s coordinator_lost, and hands the handler its line when armed."""
+  _abort["parts"] = parts
+  if not _abort.get("armed"):
+    return
+  if parts is None:
+    try:
+      parts = ((_host_lost_line[0] if _host_lost_line else _default_line)([0]), "", "")
+    except Exception:  # the line is a courtesy
+      parts = (_default_line([0]), "", "")
+  _abort["lib"].spec_decode_abort_line(*(p.encode("utf-8", "replace") for p in parts))
+
+
+def _abort_decided(line: str) -> None:
+  """An abort from now on ends the process with `line` (a loss is already known)."""
+  if _abort.get("armed"):
+    _abort["lib"].spec_decode_abort_line(line.rstrip("\n").encode("utf-8", "replace"), b"", b"")
+    _abort["lib"].spec_decode_abort_decided()
+
+
+def disarm_coordinator_abort() -> None:
+  """Puts the previous SIGABRT action back (at exit: no coordinator to watch any more)."""
+  if _abort.pop("armed", False):
+    _abort["lib"].spec_decode_abort_disarm()
 
 
 def process_rows(mesh, global_batch_size: int,

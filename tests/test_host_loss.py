@@ -2,11 +2,13 @@
 the rerun resumes to the predictions of an uninterrupted run.
 
 The slow tests run local processes over 127.0.0.1 (gloo collectives), every wait bounded:
-spec_decode.main over two processes with process 1 killed (-9) after the first rows (the
-survivor learns it from its failed collective), and two bare processes with one stopped
-(SIGSTOP: a silent host, no connection reset; the watchdog ends the survivor). The rest
-checks the pieces in this process: which errors mean a lost peer and whom they name, the
-line, the watchdog's judgement, and the timeout flags.
+spec_decode.main over two processes with process 1 or process 0 killed (-9) after the first
+rows (the survivor learns it from its failed collective, or from JAX's abort when process 0,
+the coordinator, is gone), and two bare processes with one stopped (SIGSTOP: a silent host,
+no connection reset; the watchdog ends the survivor) or process 0 killed. The rest checks
+the pieces: which errors mean a lost peer and whom they name, the line, the abort handler
+in a child process (and its negative control), the watchdog's judgement, and the timeout
+flags.
 """
 
 import os
@@ -52,32 +54,46 @@ def _end(procs) -> list[str]:
 
 
 # ------------------------------------------------------------------ end to end
+def _saved(path: str) -> int:
+  """Complete, non-blank lines of a predictions file (a kill may cut the last one)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  return sum(1 for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip())
+
+
 @pytest.mark.slow
-def test_a_killed_process_ends_the_survivor_in_one_line_and_the_rerun_resumes(tmp_path):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_process_ends_the_survivor_in_one_line_and_the_rerun_resumes(tmp_path, killed):
+  """Process 1 killed: the survivor's collective fails (or its watchdog finds the silence).
+  Process 0 killed (it hosts JAX's coordination service and writes the predictions): the
+  survivor's JAX client aborts from C++ at once, or its collective fails first; either way
+  the run's line comes last, with EXIT_HOST_LOST."""
   out, ref = str(tmp_path / "two"), str(tmp_path / "one")
   path = os.path.join(out, results.PREDICTIONS)
   procs = _launch(_FLAGS + [f"--output_dir={out}"], _env(1), processes=2)
+  survivor = procs[1 - killed]
   try:
     deadline = time.monotonic() + 300
     while not (os.path.exists(path) and os.path.getsize(path) > 0):
       if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
         pytest.fail("no rows before the kill:\n" + "\n".join(t[-2000:] for t in _end(procs)))
       time.sleep(0.05)
-    procs[1].kill()
-    killed = time.monotonic()
-    log = procs[0].communicate(timeout=_SURVIVOR_BOUND_S)[0]
-    took = time.monotonic() - killed
+    procs[killed].kill()
+    start = time.monotonic()
+    log = survivor.communicate(timeout=_SURVIVOR_BOUND_S)[0]
+    took = time.monotonic() - start
   finally:
     _end(procs)
-  assert procs[0].returncode == distributed.EXIT_HOST_LOST, log[-3000:]
+  assert survivor.returncode == distributed.EXIT_HOST_LOST, log[-3000:]
   assert took < _SURVIVOR_BOUND_S
-  for bad in _FORBIDDEN:
+  # When JAX's client aborts, its own message (a C++ check failure) precedes the line.
+  for bad in _FORBIDDEN if killed else ("Traceback", "Fatal Python error"):
     assert bad not in log, log[-3000:]
-  saved = len(_rows(out))
+  saved = _saved(path)
   assert 2 <= saved < 6
   last = [line for line in log.splitlines() if line.strip()][-1]
-  assert last == (f"spec_decode.main: process 1 was lost: {saved} examples are saved in {path}; "
-                  "rerun the same command on every host to resume from them"), log[-3000:]
+  assert last == (f"spec_decode.main: process {killed} was lost: {saved} examples are saved in "
+                  f"{path}; rerun the same command on every host to resume from them"), log[-3000:]
   # The same command on both hosts resumes; an uninterrupted one-process run (two devices,
   # the same mesh) decodes the reference alongside.
   procs = _launch(_FLAGS + [f"--output_dir={out}"], _env(1), processes=2)
@@ -136,6 +152,76 @@ def test_a_silent_process_ends_the_survivor_after_the_heartbeat_timeout():
   assert 2 <= took < 2 + 5, took
   assert err.strip() == ("process 1 was lost; rerun the same command on every host to "
                          "resume"), err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_killed_coordinator_ends_the_idle_survivor_with_the_line():
+  """Process 0 (JAX's coordination service) killed while nothing is in flight: process
+  1's JAX client aborts from C++ at once; the SIGABRT handler finds the coordinator gone
+  and ends it with the line and EXIT_HOST_LOST instead of the abort's -6."""
+  procs = _idle_pair(30, (120, 120))
+  try:
+    procs[0].kill()
+    start = time.monotonic()
+    _, err = procs[1].communicate(timeout=_SURVIVOR_BOUND_S)
+    took = time.monotonic() - start
+  finally:
+    _end(procs)
+  assert procs[1].returncode == distributed.EXIT_HOST_LOST, err[-3000:]
+  assert took < 10, took  # the abort, not the 30 s watchdog
+  assert "Fatal Python error" not in err
+  assert err.rstrip().splitlines()[-1] == ("process 0 was lost; rerun the same command on "
+                                           "every host to resume"), err[-3000:]
+
+
+# The handler alone, in a child process: armed for a coordinator at a port, the line set
+# with a predictions file to count, then an abort. argv: port, path.
+_ABORT = ("import os, sys\n"
+          "from spec_decode import distributed\n"
+          "assert distributed._arm_coordinator_abort('127.0.0.1:' + sys.argv[1], 500) is None\n"
+          "distributed.on_host_lost(None, coordinator_lost=('head ', sys.argv[2], ' tail'))\n"
+          "os.abort()\n")
+
+
+def _abort_child(port: int, path: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-c", _ABORT, str(port), path], cwd=ROOT,
+                        env=_env(1), capture_output=True, text=True, timeout=120)
+
+
+def test_an_abort_with_the_coordinator_gone_ends_with_the_line_and_the_count(tmp_path):
+  path = tmp_path / "predictions.jsonl"
+  path.write_bytes(b'{"index": 0}\n \t\n{"index": 1}\r\n{"index": 2, "cut')  # 2 complete rows
+  with socket.socket() as sock:  # a port nothing listens on: the connection is refused
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  proc = _abort_child(port, str(path))
+  assert proc.returncode == distributed.EXIT_HOST_LOST, proc.stderr[-3000:]
+  assert proc.stderr.endswith("\nhead 2 tail\n"), proc.stderr[-3000:]
+
+
+def test_an_abort_with_the_coordinator_answering_stays_an_abort(tmp_path):
+  """The negative control: any other abort is left as it was (SIGABRT, no line)."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    proc = _abort_child(sock.getsockname()[1], str(tmp_path / "none"))
+  assert proc.returncode == -signal.SIGABRT, proc.stderr[-3000:]
+  assert "head" not in proc.stderr
+
+
+@pytest.mark.parametrize("address, want", [
+    ("127.0.0.1:1234", ("127.0.0.1", 1234)), ("localhost:80", None), ("[::1]:8476", ("::1", 8476)),
+])
+def test_coordinator_addresses(address, want):
+  ip, port = distributed.coordinator_ip_port(address)
+  assert (ip, port) == want if want else port == 80 and ip in ("127.0.0.1", "::1")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:0", "127.0.0.1:x", ":80",
+                                     "no.such.host.invalid:80"])
+def test_bad_coordinator_addresses(address):
+  with pytest.raises(ValueError, match="coordinator"):
+    distributed.coordinator_ip_port(address)
 
 
 @pytest.mark.slow

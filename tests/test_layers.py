@@ -1,6 +1,7 @@
 """The package's layers, read from the source with `ast` (nothing is imported).
 
-  0  infrastructure: compile_options, tree_util, theory, metrics, paths, configurable, kernels
+  0  infrastructure: compile_options, tree_util, theory, metrics, paths, configurable, native,
+     kernels
   1  models, checkpoints, data, partitioning, distributed
   2  decoding (the runner, algorithms, drafters, verifiers, the loop timer)
   3  heads (networks over a target's states)
@@ -27,7 +28,7 @@ ROOT = paths.REPO_ROOT
 LAYERS = [
     (0, ("spec_decode", "spec_decode.compile_options", "spec_decode.tree_util",
          "spec_decode.theory", "spec_decode.metrics", "spec_decode.paths",
-         "spec_decode.configurable", "spec_decode.kernels")),
+         "spec_decode.configurable", "spec_decode.native", "spec_decode.kernels")),
     (1, ("spec_decode.models", "spec_decode.checkpoints", "spec_decode.data",
          "spec_decode.partitioning", "spec_decode.distributed")),
     (2, ("spec_decode.decoding",)),

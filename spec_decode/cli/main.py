@@ -235,21 +235,31 @@ def interrupted_line(output_dir: str) -> str:
 
 def host_lost_line(output_dir: str, lost: list[int] | None) -> str:
   """What a lost host leaves each survivor: who was lost, what is saved, how to go on."""
-  return saved_line(output_dir, distributed.describe_lost(lost),
-                    rerun="rerun the same command on every host")
+  return saved_line(output_dir, distributed.describe_lost(lost), rerun=_RERUN_ALL)
+
+
+_RERUN_ALL = "rerun the same command on every host"
 
 
 def saved_line(output_dir: str, what: str, rerun: str = "rerun the same command") -> str:
   """'PROGRAM: <what>: N examples are saved in PATH; <rerun> to resume from them'."""
-  from spec_decode.experiment import results
-  path = os.path.join(output_dir, results.PREDICTIONS)
+  head, path, tail = saved_parts(output_dir, what, rerun)
   try:
     with open(path, "rb") as f:
       data = f.read()
     saved = sum(1 for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip())
   except OSError:
     saved = 0
-  return f"{PROGRAM}: {what}: {saved} examples are saved in {path}; {rerun} to resume from them"
+  return f"{head}{saved}{tail}"
+
+
+def saved_parts(output_dir: str, what: str, rerun: str) -> tuple[str, str, str]:
+  """`saved_line` as (the text before N, the predictions file whose lines N counts, the
+  text after N)."""
+  from spec_decode.experiment import results
+  path = os.path.join(output_dir, results.PREDICTIONS)
+  return (f"{PROGRAM}: {what}: ", path,
+          f" examples are saved in {path}; {rerun} to resume from them")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -261,7 +271,9 @@ def main(argv: Sequence[str]) -> None:
     distributed.initialize_from_flags()  # no-op for one process
     output_dir = FLAGS.output_dir or default_output_dir(FLAGS.gin_file or [DEFAULT_GIN_FILE])
     # A lost host: the line every survivor ends with (exit distributed.EXIT_HOST_LOST).
-    distributed.on_host_lost(lambda lost: host_lost_line(output_dir, lost))
+    distributed.on_host_lost(
+        lambda lost: host_lost_line(output_dir, lost),
+        coordinator_lost=saved_parts(output_dir, distributed.describe_lost([0]), _RERUN_ALL))
     try:
       summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
                     show_progress=FLAGS.progress and jax.process_index() == 0)

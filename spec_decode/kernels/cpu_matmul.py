@@ -47,8 +47,6 @@ import json
 import logging
 import os
 import platform
-import shutil
-import subprocess
 import tempfile
 import time
 import weakref
@@ -61,7 +59,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from spec_decode import compile_options
+from spec_decode import compile_options, native
 
 PANEL = 16
 _SOURCE = Path(__file__).with_name("cpu_matmul.cc")
@@ -82,7 +80,7 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
 # 0.1-0.4 us faster than a custom call.
 MIN_PACKED_ELEMENTS = 2 ** 15
 ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
-ENV_CACHE = "SPEC_DECODE_KERNEL_CACHE"
+ENV_CACHE = native.ENV_CACHE
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"
 ENV_VARIANT = "SPEC_DECODE_CPU_KERNEL_VARIANT"
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "bfloat16_dot")
@@ -251,35 +249,8 @@ def cpu_info() -> dict[str, Any]:
 
 def _build() -> Path:
   """Compiles cpu_matmul.cc (once per source, compiler, jaxlib and CPU) -> the .so path."""
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-  include = jax.ffi.include_dir()
-  source = _SOURCE.read_bytes()
-  key = hashlib.sha256(b"\0".join([
-      source, " ".join(_FLAGS).encode(), compiler.encode(), include.encode(),
-      jax.__version__.encode(), cpu_info()["model"].encode(),
-      _cpu_flags().encode()])).hexdigest()[:16]
-  out = _cache_dir() / f"cpu_matmul_{key}.so"
-  if out.exists():
-    return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-  os.close(fd)
-  try:
-    proc = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-      raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)  # atomic: concurrent builders (test workers) each write whole files
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-  return out
-
-
-def _cache_dir() -> Path:
-  return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "spec_decode" / "kernels")
+  return native.build(_SOURCE, [*_FLAGS, f"-I{jax.ffi.include_dir()}"],
+                      depends_on=[jax.__version__, cpu_info()["model"], _cpu_flags()])
 
 
 _LIB: dict[str, Any] = {}  # the loaded library ('lib') and its path ('path')
@@ -429,7 +400,7 @@ def time_variant(M: int, K: int, N: int, dtype, variant: str, repeats: int = 3,
 
 def _tuning_path() -> Path:
   key = hashlib.sha256(str(_LIB["path"]).encode()).hexdigest()[:16]  # per build, so per CPU
-  return _cache_dir() / f"variants_{key}.json"
+  return native.cache_dir() / f"variants_{key}.json"
 
 
 _CHOSEN: dict[str, str] = {}
