@@ -386,6 +386,12 @@ class Timings:
   outputs: list
 
 
+class ProgramsDoNotFit(RuntimeError):
+  """The decoders of one `time_decodes` call need more compiled programs than the process
+  keeps (`decoding.footprint.before_compile` drops them all when the memory maps are
+  crowded), so timed calls would include compiles."""
+
+
 def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence, *,
                  repeats: int, target=None, on_round: Callable[[int], None] | None = None
                  ) -> dict[str, Timings]:
@@ -394,17 +400,41 @@ def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence
   right after it). Each decoder is compiled first, on one batch of each input shape the
   unsharded runner compiles `target` for (`runner.compiled_shape`; without a target, or
   for sharded decoders: the first batch), so no timed call compiles. on_round(r) is called
-  after round r."""
+  after round r.
+
+  When the process drops its compiled programs during the warm-up (`footprint.releases`:
+  the memory maps were crowded as a later decoder compiled), every decoder is compiled
+  again, once; a drop during the second warm-up or during a round means the programs do
+  not fit together, and the timings would include compiles: ProgramsDoNotFit, naming the
+  program count and the memory maps in use."""
   import jax
 
-  from spec_decode.decoding import runner, timing
+  from spec_decode.decoding import footprint, runner, timing
   warm = {}
   for enc, ids in batches:
     key = None if target is None else runner.compiled_shape(target, enc)
     warm.setdefault(key, (enc, ids))
-  for f in fns.values():
-    for enc, ids in warm.values():
-      jax.block_until_ready(f(enc, ids))
+
+  def warm_up():
+    for f in fns.values():
+      for enc, ids in warm.values():
+        jax.block_until_ready(f(enc, ids))
+
+  def check(released: int, when: str) -> None:
+    if footprint.releases() != released:
+      use = footprint.memory_map_use() or ("?", "?")
+      raise ProgramsDoNotFit(
+          f"{len(fns)} decoders x {len(warm)} input lengths = {len(fns) * len(warm)} compiled "
+          f"programs do not fit together: the process dropped them {when} (memory maps "
+          f"crowded, {use[0]} of {use[1]} in use now; footprint.before_compile), so timed "
+          "calls would include compiles; time fewer decoders per run")
+
+  released = footprint.releases()
+  warm_up()
+  if footprint.releases() != released:  # the first ones were dropped as the later compiled
+    released = footprint.releases()
+    warm_up()
+    check(released, "again while they compiled")
   out = {name: Timings([], [math.inf] * len(batches), []) for name in fns}
   for r in range(repeats):
     for name, f in fns.items():
@@ -416,6 +446,7 @@ def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence
         outs.append(t.result)
       out[name].seconds.append(total)
       out[name].outputs = outs
+    check(released, f"in timed round {r + 1}")
     if on_round is not None:
       on_round(r)
   return out

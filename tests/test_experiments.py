@@ -646,3 +646,36 @@ def test_gpu_report_computes_from_the_result_files(tmp_path):
   os.remove(d / "benchmark_gpu_xxl_small_b1.json")
   with pytest.raises(FileNotFoundError, match="b1.json"):
     gpu_report.report(str(d), "cmd")
+
+
+# ------------------------------------------------------------------ time_decodes
+def test_time_decodes_warms_up_again_after_a_release_and_refuses_programs_that_do_not_fit(
+    monkeypatch):
+  """A release of the compiled programs while a later decoder compiles: every decoder is
+  compiled again before the rounds. A release during the second warm-up or a timed round
+  (the decoders' programs do not fit together; each timed call would compile): an error,
+  not timings that include compiles."""
+  from experiments import harness
+  from spec_decode.decoding import footprint
+  released, calls = [0], []
+
+  def decoder(name, drops_at):
+    def f(enc, ids):
+      calls.append(name)
+      if len(calls) in drops_at:
+        released[0] += 1
+      return jnp.zeros(1)
+    return f
+
+  monkeypatch.setattr(footprint, "releases", lambda: released[0])
+  batches = [(np.zeros((1, 4), np.int32), np.zeros(1, np.int32))] * 2
+  out = harness.time_decodes({"a": decoder("a", ()), "b": decoder("b", (2,))}, batches,
+                             repeats=2)
+  assert calls[:4] == ["a", "b", "a", "b"]  # b's compile dropped a's: both warmed again
+  assert len(calls) == 4 + 2 * 2 * 2 and all(len(t.seconds) == 2 for t in out.values())
+  for drops_at, when in (((2, 4), "again while they compiled"), ((2, 7), "in timed round 1")):
+    calls.clear()
+    with pytest.raises(harness.ProgramsDoNotFit, match=f"2 decoders x 1 input lengths = 2 "
+                       f"compiled programs do not fit together: the process dropped them {when}"):
+      harness.time_decodes({"a": decoder("a", ()), "b": decoder("b", drops_at)}, batches,
+                           repeats=2)

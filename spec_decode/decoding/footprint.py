@@ -241,7 +241,16 @@ def memory_map_use() -> tuple[int, int] | None:
   return used, limit
 
 
-def release_executables_if_crowded(fraction: float = 0.5) -> bool:
+# When to drop the compiled programs: above this fraction of vm.max_map_count. A driver
+# that times its decoders side by side must hold all their programs at once (measured, big
+# EnDe pair: 0.9-1.1k regions per decoding loop and input length; 13 decoders x 3 lengths
+# = ~39k, which at 0.5 (32.8k) were dropped and recompiled inside every timed call). Above
+# 0.75 (49k of 65530) there is still room for a dozen such loops, and `before_compile`
+# refuses to compile with fewer than MAP_HEADROOM regions left.
+RELEASE_FRACTION = 0.75
+
+
+def release_executables_if_crowded(fraction: float = RELEASE_FRACTION) -> bool:
   """Drops every compiled executable (`jax.clear_caches`) once the process maps more
   than `fraction` of the kernel's vm.max_map_count memory regions; True if it did.
 
@@ -256,7 +265,8 @@ def release_executables_if_crowded(fraction: float = 0.5) -> bool:
   return _release_if_crowded(memory_map_use(), fraction)
 
 
-def _release_if_crowded(use: tuple[int, int] | None, fraction: float = 0.5) -> bool:
+def _release_if_crowded(use: tuple[int, int] | None,
+                        fraction: float = RELEASE_FRACTION) -> bool:
   """`release_executables_if_crowded` from a reading of `memory_map_use` already made."""
   if use is None or use[0] <= fraction * use[1]:
     return False
