@@ -211,9 +211,12 @@ def run(args, meta) -> harness.Output:
                   Column("speedup_ratio", "speedup ratio", lambda v: f"{v:.3f}"),
                   Column("a_speedup", "speedup", x), Column("b_speedup", "reference speedup", x)]
   n = res["rows"][0]["examples"]
+  names = [setups.demo_target(args.scale, t, args.demo_targets) for t in args.tasks]
+  targets = ", ".join(setups.DEMO_NAMES.get(m, m) for m in names if m) or "tiny random"
   notes = [
-      f"{args.scale} models: target and the {args.draft} draft of each task, {n} examples per "
-      f"cell (kept small for a 2-core CPU shared with other jobs), batch {args.batch_size}, "
+      f"{args.scale} models: the target of each task ({targets}) and its {args.draft} draft, "
+      f"{n} examples per cell (kept small for a 2-core CPU shared with other jobs), batch "
+      f"{args.batch_size}, "
       f"up to 48 tokens, no top-k/top-p; speedups are medians over {args.repeats} interleaved "
       "rounds of autoregressive / decoder seconds, all after compilation.",
       "drafted/call = draft_tokens / target_calls (the mean proposed length); alpha = mean "
