@@ -390,6 +390,35 @@ def test_gin_files_that_are_not_text_or_leave_a_bracket_open_are_named(tmp_path)
     gin_layer.parse_experiment([str(latin)], [])
 
 
+def test_a_missing_include_is_named_with_its_file_and_line(tmp_path):
+  """gin itself fails with a TypeError on a missing 'configs/...' include (configs/ is also
+  an importable namespace package from the repository root); the check names it first, in
+  the top-level file and in a file it includes. Includes found in the repository root (the
+  configs' own form) and commented-out lines pass."""
+  top = tmp_path / "top.gin"
+  top.write_text(f'include "{TOY}"\n# include "configs/commented_out.gin"\n'
+                 "include 'configs/no_such.gin'\n")
+  with pytest.raises(gin_layer.GinConfigError, match=r"top.gin, line 3: included file "
+                     r"'configs/no_such.gin' not found \(looked in "):
+    gin_layer.parse_experiment([str(top)], [])
+  nested = tmp_path / "nested.gin"
+  nested.write_text(f"include '{top}'\n")
+  with pytest.raises(gin_layer.GinConfigError, match=r"top.gin, line 3: included file"):
+    gin_layer.parse_experiment([str(nested)], [])
+  top.write_text(f'include "{TOY}"\n# include "configs/commented_out.gin"\n')
+  assert gin_layer.parse_experiment([str(nested)], ["NUM_EXAMPLES = 3"]).num_examples == 3
+
+
+def test_a_gin_syntax_error_names_the_binding_or_the_file_and_line(tmp_path):
+  with pytest.raises(gin_layer.GinConfigError, match=r"gin binding 'NUM_EXAMPLES = 10\*\*9': "
+                     r"gin syntax error: Expected newline"):
+    gin_layer.parse_experiment([TOY], ["NUM_EXAMPLES = 10**9"])
+  bad = tmp_path / "bad.gin"
+  bad.write_text(f'include "{TOY}"\nGAMMA = 3 +* 2\n')
+  with pytest.raises(gin_layer.GinConfigError, match=r"bad.gin, line 2: gin syntax error"):
+    gin_layer.parse_experiment([str(bad)], [])
+
+
 def test_a_temperature_that_is_not_a_number_is_named():
   with pytest.raises(ValueError, match="temperature must be a number, got None"):
     gin_layer.parse_experiment([TOY], ["TEMPERATURE = None"])

@@ -17,6 +17,7 @@ import difflib
 import io
 import logging
 import os
+import re
 import tokenize
 from typing import Any, Sequence
 
@@ -109,9 +110,19 @@ def _check_macros(gin_bindings: Sequence[str]) -> None:
                            f"file uses, so it would change nothing; {hint}")
 
 
-def check_gin_text(path: str) -> None:
-  """GinConfigError naming `path` (and the line) when it is not UTF-8 text or its brackets
-  or strings are left open (gin's own parser raises a bare tokenize error for those)."""
+_INCLUDE = re.compile(r"""^include\s+(['"])(.+?)\1\s*(?:#.*)?$""")
+
+
+def check_gin_text(path: str, _seen: set[str] | None = None) -> None:
+  """GinConfigError naming `path` (and the line) when it is not UTF-8 text, its brackets
+  or strings are left open (gin's own parser raises a bare tokenize error for those), or
+  it includes a file that is not there (as gin looks: the path as given, then under each
+  search path, the repository root among them); the same checks for every file it
+  includes, recursively."""
+  seen = set() if _seen is None else _seen
+  if os.path.realpath(path) in seen:
+    return
+  seen.add(os.path.realpath(path))
   try:
     with open(path, encoding="utf-8") as f:
       text = f.read()
@@ -119,6 +130,10 @@ def check_gin_text(path: str) -> None:
     line = 1 + e.object[:e.start].count(b"\n")
     raise GinConfigError(f"{path}, line {line}: not UTF-8 text ({e.reason} at byte "
                          f"{e.start}); gin files must be UTF-8") from None
+  for number, line in enumerate(text.splitlines(), 1):
+    match = _INCLUDE.match(line.strip())
+    if match:
+      check_gin_text(_find_include(path, number, match.group(2)), seen)
   try:
     for _ in tokenize.generate_tokens(io.StringIO(text).readline):
       pass
@@ -128,6 +143,22 @@ def check_gin_text(path: str) -> None:
                          "string?)") from None
   except (SyntaxError, IndentationError):
     pass  # left to gin's parser, whose errors name the file and line
+
+
+def _find_include(path: str, line: int, include: str) -> str:
+  """Where gin finds `include` (from `path`, line `line`): the path as given, else under
+  one of gin's search paths; GinConfigError naming both when it is nowhere. (gin itself
+  fails with a TypeError when the include's first directory is also an importable
+  namespace package, as configs/ is from the repository root.)"""
+  import gin.config
+  prefixes = list(getattr(gin.config, "_LOCATION_PREFIXES", [""]))
+  for prefix in prefixes + [paths.REPO_ROOT]:
+    candidate = os.path.join(prefix, include) if prefix else include
+    if os.path.isfile(candidate):
+      return candidate
+  looked = [os.getcwd()] + [p for p in prefixes if p] + [paths.REPO_ROOT]
+  raise GinConfigError(f"{path}, line {line}: included file {include!r} not found (looked "
+                       f"in {', '.join(dict.fromkeys(looked))})")
 
 
 def _drop_gin_path_not_found(record) -> bool:
@@ -160,7 +191,10 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
       bad = token[1].split("'")[1] if "'" in token[1] else token[1].strip()
       raise GinConfigError(f"cannot parse the gin value {bad!r}: strings must be quoted, e.g. "
                            f"--gin.NAME=\"'{bad}'\" (bindings: {list(gin_bindings)})") from e
-    raise GinConfigError(f"gin syntax error: {e}") from e
+    where = (f"{e.filename}, line {e.lineno}" if e.filename else
+             f"gin binding '{e.text.strip()}'" if e.text else "the gin bindings")
+    raise GinConfigError(f"{where}: gin syntax error: {e.msg} (gin takes Python literals, "
+                         "references @name and %MACRO, not expressions)") from e
   _check_macros(gin_bindings)
 
 
