@@ -18,6 +18,7 @@ import pytest
 from spec_decode import paths
 from spec_decode.cli import main
 from spec_decode.experiment import results
+from test_main import interruptible
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,8 @@ def test_a_signal_after_the_last_row_before_the_results(tmp_path, reference, sig
   # many timed step-cost repeats: the window between the last row and the results is long
   proc = subprocess.Popen(CLI + [f"--output_dir={out}",
                                  "--gin.ExperimentConfig.step_timing_repeats=400"],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=interruptible)
   path = os.path.join(out, results.PREDICTIONS)
   deadline = time.time() + 400
   try:

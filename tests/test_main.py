@@ -152,6 +152,13 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
     main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 
 
+def interruptible() -> None:
+  """A child's preexec_fn: SIGINT back to its default disposition. A test run started in
+  the background of a non-interactive shell inherits SIGINT ignored, and Python then
+  installs no KeyboardInterrupt handler: the child would ignore a Ctrl-C."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_after_first_rows(out: str, sig: int) -> tuple[int, str, str]:
   """spec_decode.main on 10 toy examples into `out`, sent `sig` once its first rows are
   written (slow batches, 40 timed runs each, so the signal lands mid-way): (exit code,
@@ -160,7 +167,7 @@ def _interrupt_after_first_rows(out: str, sig: int) -> tuple[int, str, str]:
          f"--gin_file={TOY}", "--gin.NUM_EXAMPLES=10", "--gin.BATCH_SIZE=2",
          "--gin.ExperimentConfig.step_timing_repeats=2", "--gin.ExperimentConfig.timing_repeats=40"]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+                          text=True, preexec_fn=interruptible)
   path = os.path.join(out, results.PREDICTIONS)
   deadline = time.time() + 400
   try:
