@@ -431,10 +431,9 @@ def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence
 
   released = footprint.releases()
   warm_up()
-  if footprint.releases() != released:  # the first ones were dropped as the later compiled
-    released = footprint.releases()
-    warm_up()
-    check(released, "again while they compiled")
+  warmed = footprint.releases()
+  released = footprint.warm_again_if_released(released, warm_up)
+  check(warmed, "again while they compiled")  # a second warm-up that lost programs too
   out = {name: Timings([], [math.inf] * len(batches), []) for name in fns}
   for r in range(repeats):
     for name, f in fns.items():

@@ -279,13 +279,17 @@ def _default_line(lost: list[int] | None) -> str:
   return f"{describe_lost(lost)}; rerun the same command on every host to resume"
 
 
+def _line_for(lost: list[int] | None) -> str:
+  """The line `on_host_lost` set, for `lost` (the plain default if it fails)."""
+  try:
+    return (_host_lost_line[0] if _host_lost_line else _default_line)(lost)
+  except Exception:  # the line is a courtesy: end anyway
+    return _default_line(lost)
+
+
 def _end_lost(lost: list[int]) -> None:
   """Ends this process on a loss the watchdog found, with the line `on_host_lost` set."""
-  try:
-    line = (_host_lost_line[0] if _host_lost_line else _default_line)(lost)
-  except Exception:  # the line is a courtesy: end anyway
-    line = _default_line(lost)
-  exit_host_lost(line)
+  exit_host_lost(_line_for(lost))
 
 
 def jax_heartbeat_timeout(heartbeat_timeout_s: int) -> int:
@@ -476,10 +480,7 @@ def _set_abort_line(parts: tuple[str, str, str] | None) -> None:
   if not _abort.get("armed"):
     return
   if parts is None:
-    try:
-      parts = ((_host_lost_line[0] if _host_lost_line else _default_line)([0]), "", "")
-    except Exception:  # the line is a courtesy
-      parts = (_default_line([0]), "", "")
+    parts = (_line_for([0]), "", "")
   _abort["lib"].spec_decode_abort_line(*(p.encode("utf-8", "replace") for p in parts))
 
 

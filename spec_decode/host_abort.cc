@@ -139,11 +139,12 @@ extern "C" {
 
 // Sets the line: head, then (when path is not empty) the count of path's lines and tail.
 void spec_decode_abort_line(const char* head, const char* path, const char* tail) {
+  sig_atomic_t armed = g_armed;
   g_armed = 0;  // never half-written text in the handler
   Copy(g_head, head);
   Copy(g_path, path);
   Copy(g_tail, tail);
-  g_armed = g_addr_len > 0;
+  g_armed = armed;
 }
 
 // Arms the handler for the coordinator at ip (IPv4 or IPv6 text) and port; 0 on

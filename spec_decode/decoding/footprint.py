@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import resource
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -287,6 +287,16 @@ def releases() -> int:
   programs in a row (a warm-up) compares it before and after to learn whether the first
   ones were dropped again while the later ones compiled."""
   return _RELEASES
+
+
+def warm_again_if_released(released: int, warm_up: Callable[[], Any]) -> int:
+  """After a warm-up that compiled several programs, begun at `releases()` == `released`:
+  when the process dropped its compiled programs meanwhile (the first ones among them,
+  as a later one compiled), runs `warm_up()` once more so that no timed call compiles.
+  Returns `releases()` after it: a caller that times next compares against it."""
+  if releases() != released:
+    warm_up()
+  return releases()
 
 
 class MemoryMapsExhausted(MemoryError):

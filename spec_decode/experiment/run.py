@@ -73,14 +73,16 @@ def _decode_remaining(s: setup.Setup, todo: Sequence[data.Example], output_dir: 
                 for name, f in fns.items()}
   if s.mesh is None:
     _compile_input_lengths(s, fns, batches)
-  if footprint.releases() != released:
-    # The process dropped its compiled programs while these compiled (a process holding
-    # many: `footprint.before_compile`), the decoders warmed up before among them: compile
-    # them again, untimed, so that no timed batch includes a compile.
+
+  def warm_up():  # untimed, every decoder and input length
     for f in fns.values():
       jax.block_until_ready(f(*setup.inputs(s, batches[0])))
     if s.mesh is None:
       _compile_input_lengths(s, fns, batches)
+
+  # The process may have dropped its compiled programs while these compiled (a process
+  # holding many: `footprint.before_compile`), the decoders warmed up first among them.
+  footprint.warm_again_if_released(released, warm_up)
   run_id = uuid.uuid4().hex[:12]
   path = f"{output_dir}/{results.PREDICTIONS}"
   bar = None
