@@ -212,8 +212,9 @@ def test_decode_step_moves_no_whole_cache(params, T):
   c = _TINY.config
   B, L = 3, 24
   cache = _TINY.init_cache(params, _TINY.encode(params, np.full((B, 10), 5)), L)
-  loop = timing._jitted_steps(_TINY, 2, None, None, compile_options.resolve(None))  # in a loop
-  hlo = loop.lower(params, cache, jnp.full((B, T), 3, jnp.int32)).compile().as_text()
+  loop = timing._jitted_steps(_TINY, None, None, compile_options.resolve(None))  # in a loop
+  hlo = loop.lower(params, cache, jnp.full((B, T), 3, jnp.int32),
+                   jnp.int32(2)).compile().as_text()
   cache_dims = {tuple(sorted((B, L, c.num_heads, c.head_dim))),
                 tuple(sorted((B, 10, c.num_heads, c.head_dim)))}
   moved = []

@@ -157,11 +157,12 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   if mesh is not None:
     tokens = partitioning.put(tokens, partitioning.batch_sharding(mesh, tokens.shape, rules))
   options = compile_options.resolve(compiler_options) if mesh is None else ()
-  run = _jitted_steps(model, steps, mesh, rules, options)
+  run = _jitted_steps(model, mesh, rules, options)
   state = {"cache": cache, "params": params, "tokens": tokens}
+  trips = jnp.int32(steps)
 
   def call():
-    logits, state["cache"] = run(params, state["cache"], tokens)
+    logits, state["cache"] = run(params, state["cache"], tokens, trips)
     return logits
 
   call.state = state
@@ -273,10 +274,11 @@ def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int,
   w = workload
   tokens = runner.trim_padding(jnp.asarray(w.encoder_tokens))
   position = w.cache_length // 2 if w.position is None else w.position
-  fn = _jitted_proposals(drafter, w.target, w.draft, w.sampling, gamma, steps, w.cache_length,
+  fn = _jitted_proposals(drafter, w.target, w.draft, w.sampling, gamma, w.cache_length,
                          position, compile_options.resolve(w.compiler_options), verify_tokens)
   args = (base.decoding_params(w.target, w.target_params),
-          base.decoding_params(w.draft, w.draft_params), tokens, jax.random.PRNGKey(0))
+          base.decoding_params(w.draft, w.draft_params), tokens, jax.random.PRNGKey(0),
+          jnp.int32(steps))
 
   def call():
     return fn(*args)
@@ -286,12 +288,12 @@ def proposal_loop(drafter, workload: Workload, *, gamma: int, steps: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_proposals(drafter, target, draft, sampling, gamma: int, steps: int, room: int,
+def _jitted_proposals(drafter, target, draft, sampling, gamma: int, room: int,
                       position: int, options=(), verify_tokens: int = 0):
-  """One jitted loop of `steps` proposals per setting (see `proposal_loop`): equal settings
-  and shapes share a compile."""
+  """One jitted proposal loop per setting (see `proposal_loop`), its trip count an argument:
+  equal settings and shapes share a compile, and so do a marginal pair's two loops."""
 
-  def run(target_params, draft_params, encoder_tokens, rng):
+  def run(target_params, draft_params, encoder_tokens, rng, steps):
     B = encoder_tokens.shape[0]
     ctx = runner.LoopContext(
         target=target, target_params=target_params, draft=draft, draft_params=draft_params,
@@ -329,10 +331,11 @@ def _jitted_proposals(drafter, target, draft, sampling, gamma: int, steps: int, 
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_steps(model, steps: int, mesh, rules, options=()):
-  """One jitted k-step decode loop per (model, k, layout): equal shapes share a compile."""
+def _jitted_steps(model, mesh, rules, options=()):
+  """One jitted decode loop per (model, layout), its trip count an argument: equal shapes
+  share a compile, and so do a marginal pair's k- and 2k-step loops."""
 
-  def _run(params, cache, tokens):
+  def _run(params, cache, tokens, steps):
     lengths = cache.lengths
 
     def body(_, carry):
