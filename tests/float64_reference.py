@@ -20,8 +20,9 @@ against float64 instead, in two parts:
    is perturbed by a relative N(0, 2^-24) (`rounding_noise`), i.e. float32 rounding as
    this computation amplifies it.
 
-Calibration (AMD EPYC, `XLA_FLAGS=--xla_backend_optimization_level=0 python
-tests/float64_reference.py`, the suite's XLA flags: 75 random models of the parity
+Calibration (AMD EPYC, `python tests/float64_reference.py` under the suite's XLA flags,
+`xla_flags.flags(8)`; the same figures before the suite's fusion-emitter and code-split
+flags were added: 75 random models of the parity
 tests' shapes, gated-GELU untied and tied, ReLU tied-scaled): RMS error / noise
 0.59-3.32 for ours (median 1.14) and 0.65-2.54 for transformers (median 1.16); max
 error / noise 2.1-26.7 for ours, 3.2-25.7 for transformers. The two float32 errors

@@ -25,6 +25,7 @@ from absl import flags
 from spec_decode import distributed, paths
 from spec_decode.cli import main
 from spec_decode.experiment import results
+import xla_flags
 from test_main import TOY, _launch, _rows, _wait
 
 ROOT = paths.REPO_ROOT
@@ -39,10 +40,7 @@ _FORBIDDEN = ("Traceback", "Fatal Python error", "Check failure", "Terminating p
 
 
 def _env(devices: int) -> dict:
-  # As conftest.py: LLVM's backend optimisation off in every program compared.
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                        "--xla_backend_optimization_level=0")
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags.flags(devices))
 
 
 def _end(procs) -> list[str]:

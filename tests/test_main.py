@@ -17,6 +17,8 @@ from spec_decode.cli import main
 from spec_decode.experiment import model_specs
 from spec_decode.experiment import results
 
+import xla_flags
+
 ROOT = paths.REPO_ROOT
 # Every run here shares these shapes (batch 2, default.gin's lengths), so jit caches are reused.
 SMALL = ["BATCH_SIZE = 2", "ExperimentConfig.step_timing_repeats = 2"]
@@ -406,16 +408,14 @@ def test_two_processes_write_what_one_process_writes_and_resume_with_automatic_g
            "--gin.GammaChoice.rule='thm_3_8'",
            "--gin.GammaChoice.fallback_below=None",  # speculate at the chosen gamma
            "--gin.ExperimentConfig.mesh='data=2,model=2'"]
-  fast = "--xla_backend_optimization_level=0"  # as conftest.py: compile time rules here
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {fast}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags.flags(2))
   multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
   choose = "--gin.ExperimentConfig.gamma_choice=@GammaChoice()"
   logs = _wait(_launch(flags + [choose, f"--output_dir={multi}"], env, processes=2), "multi")
   assert "| toy_reverse |" in logs[0] and "| toy_reverse |" not in logs[1]  # process 0 prints
   with open(os.path.join(multi, experiment.GAMMA_FILE)) as f:
     gamma = json.load(f)["gamma"]
-  env1 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {fast}")
+  env1 = dict(env, XLA_FLAGS=xla_flags.flags(4))
   procs = _launch(flags + [choose, f"--output_dir={multi}"], env, processes=2)
   procs += _launch(flags + [f"--gin.GAMMA={gamma}", f"--output_dir={single}"], env1,
                    processes=1)

@@ -3,9 +3,8 @@
 Each of two worker processes simulates 4 CPU devices; together they form a
 data=2,model=4 mesh, feed their own halves of the batch and gather the tokens
 on process 0. A third, single process with 8 devices decodes the same inputs
-unsharded. All run `multihost_worker.py` with the same XLA flags; they use
-`--xla_backend_optimization_level=0` (LLVM codegen effort only, the same in
-every process) because XLA:CPU compile time dominates this test.
+unsharded. All run `multihost_worker.py` with the same XLA flags, the suite's cheap-compile
+ones (`xla_flags.py`), because XLA:CPU compile time dominates this test.
 """
 
 import os
@@ -17,9 +16,9 @@ import numpy as np
 import pytest
 
 import multihost_worker as worker
+import xla_flags
 
 _TIMEOUT_S = 240
-_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _free_port() -> int:
@@ -31,7 +30,7 @@ def _free_port() -> int:
 def _start(out, *, devices: int, args: list[str]) -> subprocess.Popen:
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {_XLA_FLAGS}",
+             XLA_FLAGS=xla_flags.flags(devices),
              PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
   return subprocess.Popen([sys.executable, worker.__file__, f"--out={out}", *args], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
