@@ -21,11 +21,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's backend optimisation off (about a quarter less); XLA's elemental emitters for
 # fused loops instead of its MLIR fusion emitters, and each program's code generated as one
 # LLVM module rather than split for parallel code generation (together about 45% less
-# again, measured on a tiny pair's decoding loops on 2 AMD EPYC cores). HLO passes are
-# unchanged; results may differ from a default build in the last bits (e.g. where LLVM
-# would fuse a multiply-add), so every program a test compares compiles alike:
-# subprocesses inherit the setting.
-for _flag in ("--xla_force_host_platform_device_count=8",) + xla_flags.CHEAP_COMPILE:
+# again, measured on a tiny pair's decoding loops on 2 AMD EPYC cores); a jaxlib that does
+# not know one of them goes without it (`xla_flags.cheap_compile`). They change how XLA
+# generates code, not what a program computes; results may differ from a default build in
+# the last bits (e.g. where LLVM would fuse a multiply-add), so every program a test
+# compares compiles alike: subprocesses inherit the setting.
+for _flag in ("--xla_force_host_platform_device_count=8",) + xla_flags.cheap_compile():
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # The CPU kernel's variant fixed (all give the same bits, tested in test_cpu_matmul.py):
