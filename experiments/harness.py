@@ -429,10 +429,10 @@ def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence
           f"crowded, {use[0]} of {use[1]} in use now; footprint.before_compile), so timed "
           "calls would include compiles; time fewer decoders per run")
 
-  released = footprint.releases()
+  before = footprint.releases()
   warm_up()
   warmed = footprint.releases()
-  released = footprint.warm_again_if_released(released, warm_up)
+  footprint.warm_again_if_released(before, warm_up)
   check(warmed, "again while they compiled")  # a second warm-up that lost programs too
   out = {name: Timings([], [math.inf] * len(batches), []) for name in fns}
   for r in range(repeats):
@@ -445,7 +445,7 @@ def time_decodes(fns: Mapping[str, Callable[[Any, Any], Any]], batches: Sequence
         outs.append(t.result)
       out[name].seconds.append(total)
       out[name].outputs = outs
-    check(released, f"in timed round {r + 1}")
+    check(warmed, f"in timed round {r + 1}")
     if on_round is not None:
       on_round(r)
   return out

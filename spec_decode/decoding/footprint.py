@@ -289,14 +289,12 @@ def releases() -> int:
   return _RELEASES
 
 
-def warm_again_if_released(released: int, warm_up: Callable[[], Any]) -> int:
+def warm_again_if_released(released: int, warm_up: Callable[[], Any]) -> None:
   """After a warm-up that compiled several programs, begun at `releases()` == `released`:
   when the process dropped its compiled programs meanwhile (the first ones among them,
-  as a later one compiled), runs `warm_up()` once more so that no timed call compiles.
-  Returns `releases()` after it: a caller that times next compares against it."""
+  as a later one compiled), runs `warm_up()` once more so that no timed call compiles."""
   if releases() != released:
     warm_up()
-  return releases()
 
 
 class MemoryMapsExhausted(MemoryError):
