@@ -18,7 +18,8 @@ Tables:
 At the demo scale the targets are the big demo targets (T5.1.1-small-shaped, 45.6M) by
 default, and the paper's drafts map to demo models of about the paper's size ratios: T5-small
 (1/144 of T5-XXL) -> demo small (1/104), T5-base (1/45) -> demo base (1/56), T5-large (1/14)
--> the 3.7M demo target (1/12); Table 3 adds the demo large (1/24) and the distilled small.
+-> the 3.7M demo target (1/12); Table 3 adds the demo large (1/24) and the small draft
+distilled from the 3.7M target and from the big target (DistillSpec).
 gamma: by default the speculative runs of Tables 2 and 4 at the demo scale choose their gamma
 from warm-up measurements (`GammaChoice`, as the main job does) and the table shows it next
 to the paper's; --gamma paper runs the paper's gamma. With --demo_targets small (the 3.7M
@@ -50,7 +51,8 @@ TABLES = (1, 2, 3, 4, 5)
 DEFAULT_RUNS_DIR = "/tmp/spec_decode_reproduce"
 DRAFT_LABELS = {"small": "T5-small", "base": "T5-base", "large": "T5-large",
                 "unigram": "unigram", "bigram": "bigram",
-                "small_distilled": "T5-small distilled (ours; not in the paper)"}
+                "small_distilled": "T5-small distilled (ours; not in the paper)",
+                "small_distilled_big": "T5-small distilled from this target (ours; DistillSpec)"}
 # The demo model standing in for each paper draft of a big demo target, by size ratio.
 BIG_TARGET_DRAFTS = {"small": "small", "base": "base", "large": "target"}
 GAMMA_RULES = ("paper", "auto")
@@ -126,11 +128,12 @@ def plan(table: int, args) -> list[Row]:
       rows.append(Row(f"{task}_{draft}_t{t}", cells,
                       {"run": _job(args, task, _ours(args, draft), t, run_gamma)}))
   elif table == 3:
-    # Each task's distilled small draft (DistillSpec-style) follows its paper rows.
     # Each task's distilled small draft (DistillSpec-style) follows its paper rows; with the
-    # big targets the demo large (1/24 of them, between the paper's base and large) too.
+    # big targets the demo large (1/24 of them, between the paper's base and large) and the
+    # small draft distilled from the big target itself too.
     table3 = []
-    extra = ("large_demo", "small_distilled") if _big(args) else ("small_distilled",)
+    extra = ("large_demo", "small_distilled", "small_distilled_big") if _big(args) else \
+        ("small_distilled",)
     for row in paper_tables.TABLE3:
       table3.append(row)
       if row[1] is not None and row[2] == "large":
@@ -141,7 +144,8 @@ def plan(table: int, args) -> list[Row]:
       cells = dict(target=target, draft=label, paper_t0=a0, paper_t1=a1)
       jobs = {}
       if task is not None:
-        paper_draft = {"small_distilled": "small", "large_demo": "large"}.get(draft, draft)
+        paper_draft = {"small_distilled": "small", "small_distilled_big": "small",
+                       "large_demo": "large"}.get(draft, draft)
         ours = "large" if draft == "large_demo" else _ours(args, draft)
         jobs = {f"t{t}": _job(args, task, ours, t,
                               paper_tables.paper_gamma(task, paper_draft, t), baseline=False)

@@ -33,7 +33,9 @@ from experiments.harness import DEMO_DIR, REPO_ROOT, quote
 SCALES = ("tiny", "demo", "paper")
 TASKS = ("ende", "cnndm")
 NGRAM_DRAFTS = ("unigram", "bigram")
-T5_DRAFTS = ("small", "base", "large", "small_distilled")
+# small_distilled: the small draft distilled from the 3.7M demo target; small_distilled_big:
+# distilled from the big demo target (DistillSpec against the target it drafts for).
+T5_DRAFTS = ("small", "base", "large", "small_distilled", "small_distilled_big")
 # The 3.7M demo target drafting for the big demo targets (1/12 of their size: the ratio of
 # the paper's T5-large to T5-XXL, 1/14). The demo scale only.
 DEMO_ONLY_DRAFTS = ("target",)
@@ -46,7 +48,8 @@ DEMO_TASKS = {"ende": ("synthetic_ende", 32, 48), "cnndm": ("synthetic_cnndm", 3
 TINY_DRAFT_CONFIG = ("{'vocab_size': %VOCAB_SIZE, 'emb_dim': 16, 'num_heads': 2, "
                      "'head_dim': 8, 'mlp_dim': 32, 'num_encoder_layers': 1, "
                      "'num_decoder_layers': 1}")
-TINY_SEEDS = {"small": 1, "base": 2, "large": 3, "small_distilled": 4, "target": 5}
+TINY_SEEDS = {"small": 1, "base": 2, "large": 3, "small_distilled": 4, "target": 5,
+              "small_distilled_big": 6}
 # The demo targets: 'big' (T5.1.1-small-shaped, 45.6M: a decode step reads its weights, as a
 # T5-XXL step on an accelerator does; the default) or 'small' (3.7M: a CPU decode step is
 # bound by launching kernels, where a verify call costs 1.4-6 steps).
@@ -57,6 +60,7 @@ DEMO_NAMES = {"ende_target": "demo target (3.7M)", "cnndm_target": "demo CNNDM t
 DEMO_DRAFT_NAMES = {"small": "demo small (0.44M)", "base": "demo base (0.81M)",
                     "large": "demo large (1.87M)",
                     "small_distilled": "demo small distilled (0.44M)",
+                    "small_distilled_big": "demo small distilled from the big target (0.44M)",
                     "target": "demo 3.7M target"}
 
 

@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "demo_models")
 DRAFTS = ("small", "small_distilled", "base", "large")
 MODELS = tuple(f"{task}_{m}" for task in ("ende", "cnndm") for m in ("target",) + DRAFTS) + (
-    "ende_target_big", "cnndm_target_big")
+    "ende_target_big", "cnndm_target_big", "ende_small_distilled_big",
+    "cnndm_small_distilled_big")
 MB = 1 << 20
 # Each big target is about 72 MB (45.6M bfloat16 parameters); the rest about 38 MB.
 TOTAL_BUDGET_MB = 210

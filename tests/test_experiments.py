@@ -214,9 +214,14 @@ def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
   assert drafts["cnndm_base_t1"].endswith("demo_models/cnndm_base")
   assert drafts["ende_large_t0"].endswith("demo_models/ende_target")  # T5-large: 1/12 vs 1/14
   t3 = _planned([], 3)
-  assert {"ende_large_demo", "ende_small_distilled", "cnndm_large_demo"} <= set(t3)
+  assert {"ende_large_demo", "ende_small_distilled", "ende_small_distilled_big",
+          "cnndm_large_demo", "cnndm_small_distilled_big"} <= set(t3)
   large_demo = setups.parse_config(t3["ende_large_demo"].jobs["t1"].setup)
   assert large_demo.draft.checkpoint.endswith("demo_models/ende_large")
+  distilled = setups.parse_config(t3["cnndm_small_distilled_big"].jobs["t0"].setup)
+  assert distilled.draft.checkpoint.endswith("demo_models/cnndm_small_distilled_big")
+  gamma = paper_tables.paper_gamma("cnndm", "small", 0)  # the paper's small draft's gamma
+  assert f"GAMMA = {gamma}" in t3["cnndm_small_distilled_big"].jobs["t0"].setup.bindings
   # The 3.7M targets: the drafts as before, at the paper's gamma.
   small = _planned(["--demo_targets", "small"], 2)["ende_large_t1"].jobs["run"]
   cfg = setups.parse_config(small.setup)
