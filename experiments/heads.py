@@ -24,7 +24,7 @@ The heads are trained on one target each. With --demo_targets big (the default) 
 is <task>_target_big and the heads are demo_models/<task>_big_<kind>, where <kind> is also
 'eagle3' (an EAGLE head with EAGLE-3's multi-layer fusion); a head not shipped for a task's
 big target is left out and named in the notes. The result files are heads.* with the 3.7M
-targets (--demo_targets small) and heads_big.* with the big ones.
+targets (--demo_targets small) and heads_big.* with the big ones (--stem names others).
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--timing_repeats", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
+  p.add_argument("--stem", default=None, help="result file names (default: heads_big with "
+                 "the big demo targets, heads with the 3.7M ones)")
   args = p.parse_args(list(argv))
   args.tasks = [t for t in args.tasks.split(",") if t]
   unknown = set(args.tasks) - set(setups.DEMO_TASKS)
@@ -184,7 +186,7 @@ def run(args, meta) -> harness.Output:
            "commit runs no module).",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "
            "and c (it assumes a verify call costs one target step)."]
-  stem = "heads_big" if args.demo_targets == "big" else "heads"
+  stem = args.stem or ("heads_big" if args.demo_targets == "big" else "heads")
   return harness.Output(stem, "Draft heads (EAGLE, Medusa, MTP) against the small draft model",
                         _columns(), rows, notes)
 

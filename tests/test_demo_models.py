@@ -93,7 +93,8 @@ def test_demo_eagle_heads_fit_their_targets(name, target, fused):
 
 # (Medusa heads, the target they were trained on, heads).
 MEDUSA_HEADS = [("ende_medusa", "ende_target", 4), ("cnndm_medusa", "cnndm_target", 4),
-                ("ende_big_medusa", "ende_target_big", 4)]
+                ("ende_big_medusa", "ende_target_big", 4),
+                ("cnndm_big_medusa", "cnndm_target_big", 4)]
 
 
 @pytest.mark.parametrize("name,target,num", MEDUSA_HEADS, ids=[h for h, _, _ in MEDUSA_HEADS])

@@ -389,8 +389,8 @@ def test_peers_tiny(out):
 def test_heads_on_the_demo_pair(out):
   paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
                       "--repeats", "1", "--timing_repeats", "2", "--demo_targets", "small",
-                      "--results_dir", out["results"]])
-  assert paths["json"].endswith("heads.json")
+                      "--results_dir", out["results"], "--stem", "heads_ende_small"])
+  assert paths["json"].endswith("heads_ende_small.json")
   rows = _json(paths["json"])["rows"]
   assert [r["decoder"] for r in rows] == ["autoregressive", "small draft (gamma 4)",
                                           "EAGLE head (gamma 4)", "Medusa heads (gamma 4)",
