@@ -360,7 +360,7 @@ def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   saved = json.loads(next(tmp_path.glob("variants_*.json")).read_text())
   assert saved == {"4x96x200:bfloat16": variant}  # rows 3: the bucket of 3-4 rows
   monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
-  monkeypatch.setattr(cpu_matmul, "time_variant", None)  # a second measurement would fail
+  monkeypatch.setattr(cpu_matmul, "time_variants", None)  # a second measurement would fail
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == variant
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "8")
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == "8"
@@ -371,6 +371,35 @@ def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "16p")
     with pytest.raises(ValueError, match="has variants"):
       cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
+
+
+@needs_kernel
+def test_tuner_interleaves_variants_so_a_burst_of_load_does_not_decide(tmp_path, monkeypatch):
+  # '8' takes 1.0 s a sweep, '8p' 0.9 s; sweeps 4-7 (in call order) run during a burst of
+  # load from another process (+0.5 s). Timed one variant after the other (4 sweeps each,
+  # the first a warm-up), all of '8p''s sweeps would fall in the burst and '8' would win.
+  monkeypatch.setenv(cpu_matmul.ENV_CACHE, str(tmp_path))
+  monkeypatch.delenv(cpu_matmul.ENV_VARIANT, raising=False)
+  monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
+  monkeypatch.setattr(cpu_matmul, "variants", lambda: ("8", "8p"))
+  true = {cpu_matmul._variant_code("8"): 1.0, cpu_matmul._variant_code("8p"): 0.9}
+  calls = []
+
+  def sweep(args):
+    calls.append(args[8])
+    return true[args[8]] + (0.5 if 4 <= len(calls) - 1 < 8 else 0.0)
+
+  monkeypatch.setattr(cpu_matmul, "_sweep", sweep)
+  assert cpu_matmul.chosen_variant(2, 64, 48, np.float32) == "8p"
+  a, b = cpu_matmul._variant_code("8"), cpu_matmul._variant_code("8p")
+  assert calls == [a, b, b, a, a, b, b, a]  # turns within rounds, reversed every other round
+  calls.clear()
+  times = cpu_matmul.time_variants(2, 64, 48, np.float32, ["8", "8p"], repeats=1,
+                                   stream_bytes=1)
+  assert times == {"8": 1.0, "8p": 0.9}  # the warm-up round is not counted
+  monkeypatch.setattr(cpu_matmul, "_sweep", lambda args: -1.0)
+  with pytest.raises(ValueError, match="not built"):
+    cpu_matmul.time_variants(2, 64, 48, np.float32, ["8"], repeats=1, stream_bytes=1)
 
 
 @needs_kernel

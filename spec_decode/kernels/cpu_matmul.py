@@ -378,24 +378,46 @@ TUNE_STREAM_BYTES = 48 << 20
 TUNE_MAX_ROWS = 1024
 
 
-def time_variant(M: int, K: int, N: int, dtype, variant: str, repeats: int = 3,
-                 stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
-  """Seconds of one product [M, K] x [K, N] (weights of `dtype`) by `variant` in this
-  thread: the least, over `repeats` sweeps after one warm-up, of a sweep's time per
-  product, a sweep multiplying by each of enough copies of the weights (end to end in one
-  buffer) to fill `stream_bytes`."""
+def _sweep(args) -> float:
+  """Seconds of one `spec_decode_sweep` call (negative: a variant or dtype not built)."""
+  return float(_library().spec_decode_sweep(*args))
+
+
+def time_variants(M: int, K: int, N: int, dtype, variants_to_time, repeats: int = 3,
+                  stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False
+                  ) -> dict[str, float]:
+  """Seconds of one product [M, K] x [K, N] (weights of `dtype`) by each of
+  `variants_to_time` in this thread, {variant: seconds}: the least, over `repeats` rounds
+  after one warm-up round, of a sweep's time per product, a sweep multiplying by each of
+  enough copies of the weights (end to end in one buffer) to fill `stream_bytes`.
+
+  The variants take turns within each round (in reverse order every other round), so load
+  from another process that comes and goes while the tuner runs falls on every variant
+  alike, not on the one being timed then: timed one after another, a variant measured
+  during a burst loses by the burst, and the loss is kept in the cache of choices."""
+  variants_to_time = list(variants_to_time)
   P = -(-N // PANEL)
   one = P * K * PANEL * np.dtype(dtype).itemsize
   copies = max(1, stream_bytes // one)
   x, panels, scales = _random_operands(M, K, N, dtype, pairs, copies)
   y = np.zeros((M, N), np.float32)
   s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
-  args = (x.ctypes.data, panels.ctypes.data, s, y.ctypes.data, M, K, N,
-          _dtype_code(panels, pairs), _variant_code(variant), copies, one)
-  times = [_library().spec_decode_sweep(*args) for _ in range(repeats + 1)][1:]
-  if min(times) < 0:
-    raise ValueError(f"time_variant: variant {variant} or {np.dtype(dtype)} weights not built")
-  return min(times) / copies
+  times: dict[str, list[float]] = {v: [] for v in variants_to_time}
+  for r in range(repeats + 1):
+    for v in (variants_to_time if r % 2 == 0 else variants_to_time[::-1]):
+      t = _sweep((x.ctypes.data, panels.ctypes.data, s, y.ctypes.data, M, K, N,
+                  _dtype_code(panels, pairs), _variant_code(v), copies, one))
+      if t < 0:
+        raise ValueError(f"time_variant: variant {v} or {np.dtype(dtype)} weights not built")
+      if r:  # round 0 warms the caches, the page tables and the clock
+        times[v].append(t)
+  return {v: min(ts) / copies for v, ts in times.items()}
+
+
+def time_variant(M: int, K: int, N: int, dtype, variant: str, repeats: int = 3,
+                 stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False) -> float:
+  """Seconds of one product by `variant` alone (`time_variants` of one variant)."""
+  return time_variants(M, K, N, dtype, [variant], repeats, stream_bytes, pairs)[variant]
 
 
 def _tuning_path() -> Path:
@@ -409,7 +431,7 @@ _CHOSEN: dict[str, str] = {}
 def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
   """The variant the kernel uses for M rows times [K, N] weights of `dtype` on this CPU:
   the override (SPEC_DECODE_CPU_KERNEL_VARIANT), else the fastest, measured once per CPU,
-  weight shape and power-of-two bucket of M (`time_variant`, at the bucket's top, at most
+  weight shape and power-of-two bucket of M (`time_variants`, at the bucket's top, at most
   TUNE_MAX_ROWS) and kept in the kernel cache. Every variant gives the same bits, so the
   choice changes only the time."""
   override = _variant_override()
@@ -424,7 +446,7 @@ def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
     except (OSError, ValueError):
       pass
   if _CHOSEN.get(name) not in built:
-    times = {v: time_variant(rows, K, N, dtype, v, pairs=pairs) for v in built}
+    times = time_variants(rows, K, N, dtype, built, pairs=pairs)
     _CHOSEN[name] = min(built, key=times.__getitem__)
     _save_choices()
   return _CHOSEN[name]
