@@ -256,6 +256,34 @@ def test_handler_exit_code_and_one_line(capsys):
       raise KeyError("x")
 
 
+def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
+  """A KeyboardInterrupt raised inside a callback Python runs for C code (here a finalizer,
+  as in JAX's garbage-collection callback) reaches only sys.unraisablehook; the command
+  must still end, so it is raised again in the main thread."""
+  import time
+
+  class Finalized:
+    def __del__(self):
+      raise KeyboardInterrupt  # as a Ctrl-C landing in the callback
+
+  reported = []
+  previous = sys.unraisablehook
+  sys.unraisablehook = reported.append
+  try:
+    with cli.interrupts_not_swallowed(delay_s=0.01):
+      with pytest.raises(KeyboardInterrupt):
+        Finalized()
+        for _ in range(500):  # 5 s at most; the interrupt comes after 0.01 s
+          time.sleep(0.01)
+      class Other:
+        def __del__(self):
+          raise RuntimeError("not an interrupt")
+      Other()
+    assert [type(u.exc_value) for u in reported] == [RuntimeError]  # others: as before
+  finally:
+    sys.unraisablehook = previous
+
+
 def test_resume_messages():
   assert run_status.resume_state(4, 4, "o/p.jsonl")["message"].startswith("decoding 4 examples")
   state = run_status.resume_state(10, 4, "o/p.jsonl")

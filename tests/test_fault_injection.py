@@ -1,6 +1,6 @@
 """Faults injected into whole runs of spec_decode.main (slow tier): a file-size limit that
-stops a run mid-way, a kill -9 after every row is written but before the results are, and
-SIGINT in the same place. Each ends in one line (or a killed process), and a rerun of the
+stops a run mid-way, a kill -9 after every row is written but before the results are,
+SIGINT in the same place, and SIGINT while the decode loops compile. Each ends in one line (or a killed process), and a rerun of the
 same command ends with predictions identical to an uninterrupted run's, none lost, none
 duplicated. Elsewhere: kill -9 / Ctrl-C after the first batch (test_main), a lost host
 (test_host_loss), NaN checkpoints (test_checkpoint_faults), an impossible batch and many
@@ -119,3 +119,32 @@ def test_a_signal_after_the_last_row_before_the_results(tmp_path, reference, sig
     assert proc.returncode == -signal.SIGKILL
   assert not os.path.exists(os.path.join(out, results.RESULTS))
   _resume_and_check(out, reference)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 1.5, 3.0])
+def test_ctrl_c_while_the_loops_compile_is_one_line_not_a_crash(tmp_path, delay_s):
+  """SIGINT once the run has written config.json (the loops compile and warm up next):
+  exit 130 with the one line, no crash. The interpreter's shutdown under XLA's running
+  compiler threads used to end such a run with a segmentation fault (exit 139)."""
+  out = str(tmp_path / "compiling")
+  proc = subprocess.Popen(CLI + [f"--output_dir={out}", "--gin.NUM_EXAMPLES=20",
+                                 "--gin.BATCH_SIZE=1"],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=interruptible)
+  config = os.path.join(out, "config.json")
+  deadline = time.time() + 300
+  try:
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(config):
+      time.sleep(0.02)
+    time.sleep(delay_s)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130, err[-3000:]
+  assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]
+  path = os.path.join(out, results.PREDICTIONS)
+  assert lines[-1].startswith("spec_decode.main: interrupted: ") and path in lines[-1]

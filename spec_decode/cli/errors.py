@@ -22,10 +22,12 @@ probing) off the console unless --verbose.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging as py_logging
 import os
 import sys
+import threading
 import traceback
 from typing import Callable
 
@@ -138,6 +140,46 @@ def handle_errors(program: str, *, verbose: bool | None = None):
       print(f"{program}: error: {line} (--verbose shows the traceback)",
             file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USAGE) from None
+
+
+@contextlib.contextmanager
+def interrupts_not_swallowed(delay_s: float = 0.05):
+  """A Ctrl-C whose KeyboardInterrupt is raised inside a callback Python runs for C code
+  (JAX's garbage-collection callback, a finalizer) is only reported by Python, as
+  'Exception ignored in ...' and a traceback, and the command goes on as if no key had been
+  pressed. While this is active, such an interrupt is not printed and is raised again in
+  the main thread `delay_s` later, where it ends the command as every Ctrl-C does."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) or (
+        isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type,
+                                                             KeyboardInterrupt)):
+      timer = threading.Timer(delay_s, _thread.interrupt_main)
+      timer.daemon = True
+      timer.start()
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+
+
+def exit_now(code: int) -> None:
+  """Ends the process with `code` at once, after flushing stdout and stderr, without the
+  interpreter's shutdown: after a Ctrl-C during compilation, XLA's compiler threads are
+  still running, and tearing the interpreter down under them crashed the process
+  (segmentation fault, exit 139) after its one line. Files the command writes are closed
+  by then (their `with` blocks have unwound) and its lock is released by the kernel."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(code)
 
 
 def quiet_logging() -> None:

@@ -275,13 +275,14 @@ def main(argv: Sequence[str]) -> None:
         lambda lost: host_lost_line(output_dir, lost),
         coordinator_lost=saved_parts(output_dir, distributed.describe_lost([0]), _RERUN_ALL))
     try:
-      summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
-                    show_progress=FLAGS.progress and jax.process_index() == 0)
+      with errors.interrupts_not_swallowed():
+        summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
+                      show_progress=FLAGS.progress and jax.process_index() == 0)
     except KeyboardInterrupt:
       if FLAGS.verbose:
         raise
       print(f"\n{interrupted_line(output_dir)}", file=sys.stderr, flush=True)
-      raise SystemExit(EXIT_INTERRUPTED) from None
+      errors.exit_now(EXIT_INTERRUPTED)
     except Exception as error:  # a failed collective: another process is gone
       lost = distributed.peer_lost(error)
       if lost is None:
