@@ -47,6 +47,15 @@ def test_misspelled_macro_is_one_line_exit_2_and_verbose_shows_traceback(tmp_pat
     (["configs/nope.gin"], [], FileNotFoundError, "gin file not found"),
     (["gin/runs/benchmark.gin"], [], ValueError, "MIXTURE_OR_TASK_NAME"),
     (["gin/tasks/toy_reverse.gin"], [], ValueError, "do not configure an experiment"),
+    ([TOY], ["ExperimentConfig.seed = %NO_SUCH"], gin_layer.GinConfigError,
+     r"^the macro NO_SUCH is referenced \(%NO_SUCH\) but never set: bind it .*--gin.NO_SUCH="
+     "VALUE[^|]*$"),  # not gin's dump of the whole config
+    ([TOY], ["GAMMA = 4", "GAMMA = ("], gin_layer.GinConfigError,
+     r"^gin binding 'GAMMA = \(': gin syntax error: EOF in multi-line statement \(an "
+     "unclosed"),
+    ([TOY], ["TEMPERATURE = inf"], gin_layer.GinConfigError,
+     "cannot parse the gin value 'inf': .*numbers here must be finite"),
+    ([TOY], ["TEMPERATURE = -NaN"], gin_layer.GinConfigError, "must be finite"),
 ])
 def test_gin_mistakes_are_clear(files, bindings, error, match):
   with pytest.raises(error, match=match):
@@ -213,13 +222,37 @@ def test_corrupt_state_files_are_named(tmp_path, content):
       read()
 
 
-@pytest.mark.parametrize("line", ['{"index": 1e999}', '{"index": -3}', '{"index": "0"}',
-                                  '{"index": true}', '{"index": ' + "[" * 100000 + "}"])
-def test_absurd_prediction_rows_are_named(tmp_path, line):
+@pytest.mark.parametrize("line,why", [
+    ('{"index": 1e999}', "index inf is not an int"), ('{"index": -3}', "index -3 is not"),
+    ('{"index": "0"}', "index '0' is not"), ('{"index": true}', "index True is not"),
+    ('{"batch": "' + "x" * 300 + '", "index": 1.0}', "index 1.0 is not"),
+    ('{"tokens": []}', "no index"), ('{"index": ' + "[" * 100000 + "}", "nested too deeply")])
+def test_absurd_prediction_rows_are_named(tmp_path, line, why):
+  """A row the run cannot use is named by file and line, with what is wrong with it (the
+  printed start of the line need not reach the bad field)."""
   path = tmp_path / results.PREDICTIONS
   path.write_text('{"index": 0}\n' + line + "\n")
-  with pytest.raises(ValueError, match=f"{results.PREDICTIONS}:2 is not a prediction row"):
+  with pytest.raises(ValueError, match=f"{results.PREDICTIONS}:2 is not a prediction row "
+                                       rf"\(.*{why}"):
     results.read_rows(str(path))
+
+
+def test_rows_without_their_settings_are_not_resumed(tmp_path):
+  """config.json records the settings the rows were decoded with; with it deleted (or
+  corrupt), a rerun must not decode the rest with its own settings into the same file."""
+  (tmp_path / results.PREDICTIONS).write_text('{"index": 0}\n')
+  with pytest.raises(results.OutputDirError, match=f"decoded rows .* but no {results.CONFIG}.*"
+                                                   "delete .*predictions.jsonl too"):
+    results.check_config(str(tmp_path), {"a": 1})
+  assert not (tmp_path / results.CONFIG).exists()
+  (tmp_path / results.CONFIG).write_text('{"a": ')
+  with pytest.raises(results.OutputDirError, match="is corrupt.*cannot be resumed under "
+                                                   "unknown settings"):
+    results.check_config(str(tmp_path), {"a": 1})
+  (tmp_path / results.CONFIG).unlink()
+  (tmp_path / results.PREDICTIONS).write_text("")  # no rows yet: a fresh start
+  results.check_config(str(tmp_path), {"a": 1})
+  assert json.loads((tmp_path / results.CONFIG).read_text()) == {"a": 1}
 
 
 def test_table_row_escapes_labels():
@@ -254,6 +287,33 @@ def test_handler_exit_code_and_one_line(capsys):
   with pytest.raises(KeyError):  # not a known error: a bug keeps its traceback
     with cli.handle_errors("prog", verbose=False):
       raise KeyError("x")
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("SPEC_DECODE_CPU_KERNEL_VARIANT", "32", "must be 8, 8p, 16 or 16p"),
+    ("SPEC_DECODE_CPU_MATMUL_THREADS", "0", "must be a positive int"),
+    ("SPEC_DECODE_CPU_MATMUL_THREADS", "two", "must be a positive int")])
+def test_kernel_environment_is_checked_at_start(monkeypatch, name, value, match):
+  """Checked without building the kernel, so a run whose models never reach it (the toy
+  models) refuses the value too, instead of taking it silently and reporting it."""
+  from spec_decode.kernels import cpu_matmul
+  monkeypatch.delenv("SPEC_DECODE_CPU_KERNEL_VARIANT", raising=False)
+  monkeypatch.delenv("SPEC_DECODE_CPU_MATMUL_THREADS", raising=False)
+  cpu_matmul.check_environment()
+  monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=f"{name} {match}"):
+    cpu_matmul.check_environment()
+
+
+@pytest.mark.slow
+def test_bad_kernel_environment_ends_the_toy_job_before_anything_is_written(tmp_path):
+  out = tmp_path / "o"
+  proc = subprocess.run([sys.executable, "-m", "spec_decode.main", f"--gin_file={TOY}",
+                         f"--output_dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, SPEC_DECODE_CPU_KERNEL_VARIANT="32"))
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+  assert "SPEC_DECODE_CPU_KERNEL_VARIANT must be" in lines[0] and not out.exists()
 
 
 def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
@@ -463,7 +523,8 @@ def test_a_bad_environment_timeout_is_named(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("args, env, expected", [
     (["--no_such_flag"], {}, "error: Unknown command line flag 'no_such_flag' (--helpfull"),
-    (["--progress=maybe"], {}, "Non-boolean argument to boolean flag"),
+    (["--progress=maybe"], {},
+     "error: flag --progress=maybe: Non-boolean argument to boolean flag 'maybe' (--helpfull"),
     ([f"--gin_file={TOY}"], {"JAX_PLATFORMS": "no_such_backend"},
      "error: Unable to initialize backend 'no_such_backend'"),
 ], ids=["unknown_flag", "non_boolean", "unknown_backend"])

@@ -468,6 +468,12 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
   assert again["gamma_selection"] == dict(choice, alpha=0.123456)
   assert again["experiment"]["decoders"]["speculative"]["gamma"] == choice["gamma"]
   assert again["completed"] == 6
+  # A gamma no warm-up could have chosen (edited, another run's) is named with the file.
+  for bad, why in ((100000, "above the largest this run may choose"), (True, "not an int")):
+    with open(os.path.join(out, experiment.GAMMA_FILE), "w") as f:
+      json.dump(dict(choice, gamma=bad), f)
+    with pytest.raises(results.OutputDirError, match=f"gamma.json .* is corrupt: .*{why}"):
+      main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"] + choose, out, show_progress=False)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import _thread
 import contextlib
 import logging as py_logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -94,7 +95,11 @@ def flags_parser(program: str, rewrite: Callable[[list[str]], list[str]] = list)
     try:
       return flags.FLAGS(rewrite(argv))
     except flags.Error as e:
-      print(f"{program}: error: {e} (--helpfull lists the flags)", file=sys.stderr, flush=True)
+      # absl words a bad boolean as "flag --x=maybe: ('Non-boolean argument to boolean
+      # flag', 'maybe')": the reason and the value as a tuple; say it as a sentence.
+      text = re.sub(r"\('([^']*)', ('[^']*'|\S+?)\)", r"\1 \2", str(e))
+      print(f"{program}: error: {text} (--helpfull lists the flags)", file=sys.stderr,
+            flush=True)
       raise SystemExit(EXIT_USAGE) from None
   return parse
 

@@ -183,19 +183,56 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
   try:
     gin.parse_config_files_and_bindings(files, list(gin_bindings), skip_unknown=False)
   except (tokenize.TokenError, UnicodeDecodeError) as e:  # an included file, or a binding
-    raise GinConfigError(f"gin syntax error in {files} or the bindings {list(gin_bindings)}: "
-                         f"{e}") from e
+    what = e.args[0] if isinstance(e, tokenize.TokenError) and e.args else str(e)
+    culprit = _unclosed_binding(gin_bindings)
+    if culprit is not None:
+      raise GinConfigError(f"gin binding '{culprit}': gin syntax error: {what} (an unclosed "
+                           "bracket, brace or string)") from e
+    raise GinConfigError(f"gin syntax error in {files} or the files they include: "
+                         f"{what}") from e
   except SyntaxError as e:
     token = str(e).split("Failed to parse token", 1)
     if len(token) == 2:
       bad = token[1].split("'")[1] if "'" in token[1] else token[1].strip()
+      if bad.lstrip("+-").lower() in ("inf", "infinity", "nan"):
+        raise GinConfigError(f"cannot parse the gin value {bad!r}: gin takes Python literals, "
+                             "and numbers here must be finite (bindings: "
+                             f"{list(gin_bindings)})") from e
       raise GinConfigError(f"cannot parse the gin value {bad!r}: strings must be quoted, e.g. "
                            f"--gin.NAME=\"'{bad}'\" (bindings: {list(gin_bindings)})") from e
     where = (f"{e.filename}, line {e.lineno}" if e.filename else
              f"gin binding '{e.text.strip()}'" if e.text else "the gin bindings")
     raise GinConfigError(f"{where}: gin syntax error: {e.msg} (gin takes Python literals, "
                          "references @name and %MACRO, not expressions)") from e
+  except ValueError as e:  # gin's finalize names the macro, then dumps the whole config
+    name = _undefined_macro(e)
+    if name is None:
+      raise
+    raise GinConfigError(f"the macro {name} is referenced (%{name}) but never set: bind it "
+                         f"(in a gin file, or --gin.{name}=VALUE) or fix the "
+                         "reference") from e
   _check_macros(gin_bindings)
+
+
+def _unclosed_binding(gin_bindings: Sequence[str]) -> str | None:
+  """The first binding that Python's tokenizer cannot finish alone (an unclosed bracket,
+  brace or string), or None."""
+  for binding in gin_bindings:
+    try:
+      for _ in tokenize.generate_tokens(io.StringIO(binding + "\n").readline):
+        pass
+    except (tokenize.TokenError, SyntaxError):
+      return binding.strip()
+  return None
+
+
+def _undefined_macro(error: ValueError) -> str | None:
+  """The name of the macro gin found no binding for (a %NAME reference nothing sets)."""
+  text = str(error)
+  head = "No bindings specified for '"
+  if text.startswith(head) and "/gin.macro'" in text.split("\n", 1)[0]:
+    return text[len(head):].split("/gin.macro'", 1)[0]
+  return None
 
 
 def bound(cls) -> bool:

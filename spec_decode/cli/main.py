@@ -62,6 +62,7 @@ import jax
 from spec_decode import distributed, paths
 from spec_decode.cli import errors
 from spec_decode.cli import gin as gin_layer
+from spec_decode.kernels import cpu_matmul
 
 DEFAULT_GIN_FILE = "configs/default.gin"
 PROGRAM = "spec_decode.main"
@@ -268,6 +269,7 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     errors.quiet_logging()
+    cpu_matmul.check_environment()
     distributed.initialize_from_flags()  # no-op for one process
     output_dir = FLAGS.output_dir or default_output_dir(FLAGS.gin_file or [DEFAULT_GIN_FILE])
     # A lost host: the line every survivor ends with (exit distributed.EXIT_HOST_LOST).

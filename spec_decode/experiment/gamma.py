@@ -52,10 +52,16 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
     choice = None
     if setup.is_writer():
       choice = results.read_state_json(path, "the gamma chosen from warm-up measurements")
-      if not isinstance(choice.get("gamma"), int) or choice["gamma"] < 0:
+      g = choice.get("gamma")
+      if not isinstance(g, int) or isinstance(g, bool) or g < 0:
         raise results.OutputDirError(f"{path} (the gamma chosen from warm-up measurements) "
-                                     f"is corrupt: gamma {choice.get('gamma')!r} is not an "
-                                     "int >= 0; delete it to choose again")
+                                     f"is corrupt: gamma {g!r} is not an int >= 0; delete it "
+                                     "to choose again")
+      if g > min(gc.max_gamma, s.config.decode_len):  # no choice the warm-up could make
+        raise results.OutputDirError(
+            f"{path} (the gamma chosen from warm-up measurements) is corrupt: gamma {g} is "
+            f"above the largest this run may choose (GammaChoice.max_gamma {gc.max_gamma}, "
+            f"{s.config.decode_len} tokens decoded per example); delete it to choose again")
   else:
     cfg = s.config
     warmup = s.examples[:gc.warmup_examples]

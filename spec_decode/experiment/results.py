@@ -88,8 +88,11 @@ def read_rows(path: str) -> dict[int, dict]:
       if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise ValueError(f"index {index!r} is not an int >= 0")
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-      raise ValueError(f"{path}:{lineno} is not a prediction row: {line[:200]!r}; remove the "
-                       "line (or use a new output_dir)") from e
+      why = ("no index" if isinstance(e, KeyError) else
+             "nested too deeply" if isinstance(e, RecursionError) else
+             f"{type(e).__name__}: {str(e)[:200]}")
+      raise ValueError(f"{path}:{lineno} is not a prediction row ({why}): {line[:200]!r}; "
+                       "remove the line (or use a new output_dir)") from e
     if index in rows:
       raise ValueError(f"{path}:{lineno} repeats example index {index} of line "
                        f"{lines[index]} (two runs wrote here at once, or the file was "
@@ -108,19 +111,22 @@ def read_rows(path: str) -> dict[int, dict]:
   return rows
 
 
-def read_state_json(path: str, what: str) -> dict:
+_REDO = "delete it (the run redoes what it recorded) or use a new output_dir"
+
+
+def read_state_json(path: str, what: str, fix: str = _REDO) -> dict:
   """A JSON object this project wrote into an output directory (config.json, runs.json,
   gamma.json), or an OutputDirError naming the file when it is not one (truncated by a
-  full disk, edited by hand, another program's file)."""
+  full disk, edited by hand, another program's file), with `fix`, what to do about it."""
   try:
     with open(path, encoding="utf-8") as f:
       obj = json.load(f)
   except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError included
-    raise OutputDirError(f"{path} ({what}) is corrupt: {type(e).__name__}: {e}; delete it "
-                         "(the run redoes what it recorded) or use a new output_dir") from None
+    raise OutputDirError(f"{path} ({what}) is corrupt: {type(e).__name__}: {e}; "
+                         f"{fix}") from None
   if not isinstance(obj, dict):
     raise OutputDirError(f"{path} ({what}) is corrupt: expected a JSON object, got "
-                         f"{type(obj).__name__}; delete it or use a new output_dir")
+                         f"{type(obj).__name__}; {fix}")
   return obj
 
 
@@ -193,8 +199,13 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, CONFIG)
   config = json.loads(json.dumps(dict(config), sort_keys=True))
+  predictions = os.path.join(output_dir, PREDICTIONS)
+  start_over = (f"its rows cannot be resumed under unknown settings: use a new output_dir, "
+                f"or delete {predictions} too to start this one over")
   if os.path.exists(path):
-    previous = read_state_json(path, "the settings of the runs that wrote here")
+    previous = read_state_json(path, "the settings of the runs that wrote here",
+                               fix=f"the rows in {PREDICTIONS} were decoded with the "
+                                   f"settings it held: {start_over}")
     skip = set(may_differ)
     old = _dotted({k: v for k, v in previous.items() if k not in skip})
     new = _dotted({k: v for k, v in config.items() if k not in skip})
@@ -203,6 +214,11 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
       detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
       raise ValueError(f"{output_dir} holds a run of a different experiment ({detail}); "
                        f"use a new output_dir or restore the settings to resume")
+  elif os.path.exists(predictions) and os.path.getsize(predictions) > 0:
+    # Rows without the settings that made them (config.json deleted): resuming would mix
+    # them with rows of whatever settings this run has, and the results with them.
+    raise OutputDirError(f"{output_dir} has decoded rows ({PREDICTIONS}) but no {CONFIG}, "
+                         f"which records the settings they were decoded with; {start_over}")
   write_json(path, config)
 
 

@@ -323,13 +323,29 @@ def _variant_code(variant: str) -> int:
   return 2 * int(variant.rstrip("p")) + variant.endswith("p")
 
 
-def _variant_override() -> str | None:
+def _variant_env() -> str | None:
+  """SPEC_DECODE_CPU_KERNEL_VARIANT if set (a ValueError unless a variant's name)."""
   raw = os.environ.get(ENV_VARIANT, "").strip()
-  if not raw:
-    return None
-  if raw not in ("8", "8p", "16", "16p"):
+  if raw and raw not in ("8", "8p", "16", "16p"):
     raise ValueError(f"{ENV_VARIANT} must be 8, 8p, 16 or 16p (vector width, p = software "
                      f"prefetch), got {raw!r}")
+  return raw or None
+
+
+def check_environment() -> None:
+  """A ValueError naming SPEC_DECODE_CPU_KERNEL_VARIANT or SPEC_DECODE_CPU_MATMUL_THREADS
+  when either holds a value the kernel refuses, without building the kernel: commands
+  check at start, since a run whose models never reach the kernel (all small) would
+  otherwise take the bad value silently, and one whose models do would fail only after
+  loading them."""
+  _variant_env()
+  _threads()
+
+
+def _variant_override() -> str | None:
+  raw = _variant_env()
+  if raw is None:
+    return None
   if raw not in variants():
     raise ValueError(f"{ENV_VARIANT}={raw}: this CPU's kernel has variants {variants()} only "
                      f"({cpu_info()['model']})")
