@@ -364,6 +364,7 @@ def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
 
   class Config:
     feature_lengths = {"inputs": 8, "targets": 8}
+    num_examples, split, task = 1000, "validation", "toy_reverse"  # the split had only 4
 
   extras = run_status.summary_extras(out, rows, exs, Config, run_status.resume_state(4, 2, "p"))
   assert extras["runs"]["a"]["speedup_measured"] == 2.0 and extras["runs"]["b"]["c"] == 0.2
@@ -374,6 +375,11 @@ def test_runs_are_listed_separately_and_truncation_noticed(tmp_path):
   text = " ".join(extras["notices"])
   assert "decoded by 2 runs" in text and "different devices" in text
   assert "2 of 4 inputs were longer than 8 tokens" in text
+  assert ("1000 examples were asked for (NUM_EXAMPLES) but the 'validation' split of "
+          "toy_reverse has 4: all 4 were decoded") in text
+  Config.num_examples = 4
+  assert "asked for" not in " ".join(run_status.summary_extras(
+      out, rows, exs, Config, run_status.resume_state(4, 2, "p"))["notices"])
   assert run_status.recorded_step_times(out) == {"c": 0.2}
 
 

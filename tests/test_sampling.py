@@ -112,7 +112,7 @@ def test_sample_from_large_vocabularies_blocks_and_zeros(V):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1.0), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
     (dict(temperature=float("inf"), top_k=5), "temperature must be finite"),
     (dict(top_k=-2), "top_k"),
     (dict(top_k=2.5), "top_k"),

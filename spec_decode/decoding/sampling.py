@@ -40,7 +40,9 @@ class Sampling:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+    if self.temperature != self.temperature:
+      raise ValueError("temperature must be a finite number >= 0, got nan")
+    if not self.temperature >= 0.0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.temperature == float("inf"):  # every logit / inf ties: top_k would be ignored
       raise ValueError("temperature must be finite, got inf (for the uniform distribution "

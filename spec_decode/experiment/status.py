@@ -96,6 +96,11 @@ def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence
                    + ": those outputs are not the model's (an argmax over NaN is PAD); the "
                    "rows' 'nonfinite_calls' counter in predictions.jsonl marks them; check "
                    "the checkpoint (a diverged or badly converted model)")
+  asked = getattr(config, "num_examples", None)
+  if asked is not None and asked > len(examples):
+    notices.append(f"{asked} examples were asked for (NUM_EXAMPLES) but the "
+                   f"{config.split!r} split of {config.task} has {len(examples)}: all "
+                   f"{len(examples)} were decoded")
   truncated = data.truncation_counts(examples, config.feature_lengths)
   if truncated.get("inputs"):
     notices.append(f"{truncated['inputs']} of {len(examples)} inputs were longer than "
