@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,20 @@ def test_rerun_of_finished_dir_recomputes_nothing(greedy_run):
   assert again["runs"] == summary["runs"] and len(again["runs"]) == 1
   for k in ("alpha", "identical_fraction", "metrics", "speedup_measured", "completed"):
     assert again[k] == summary[k]
+  assert not any("no step costs were recorded" in n for n in again["notices"])
+
+
+@pytest.mark.slow
+def test_rerun_of_finished_dir_without_its_runs_file_says_what_it_measured(greedy_run, tmp_path):
+  """runs.json deleted: the complete rows are kept, the step costs measured again, and the
+  summary says they are this run's, not those of the run that timed the rows."""
+  out = str(tmp_path / "copy")
+  shutil.copytree(greedy_run[0], out)
+  os.remove(os.path.join(out, results.RUNS))
+  again = main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"], out, show_progress=False)
+  assert again["resume"]["already_complete"] and again["completed"] == 6
+  assert any(f"no step costs were recorded with these rows ({results.RUNS} missing" in n
+             for n in again["notices"])
   with pytest.raises(ValueError, match="different experiment.*gamma: 4 -> 3"):
     main.run([TOY], SMALL + ["NUM_EXAMPLES = 6", "GAMMA = 3"], out, show_progress=False)
 

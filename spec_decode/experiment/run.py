@@ -202,6 +202,7 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   # agree on measuring, so a multi-process run always measures).
   step_times = (status.recorded_step_times(output_dir)
                 if not todo and jax.process_count() == 1 else None)
+  remeasured = step_times is None and not todo  # rows complete, their step costs lost
   if step_times is None:
     say("measuring the step costs of the target and each decoder's proposal (c)")
     step_times = measure.measure_step_times(
@@ -221,6 +222,11 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   summary["gamma_selection"] = gamma_choice
   summary["timing"]["run_seconds"] = time.perf_counter() - start
   summary.update(status.summary_extras(output_dir, rows, s.examples, config, resume))
+  if remeasured:
+    summary["notices"].append(
+        f"no step costs were recorded with these rows ({results.RUNS} missing or without "
+        "them), so c, T_p and the predictions come from this run's measurement, not from "
+        "the time the rows were timed")
   results.write_json(f"{output_dir}/{results.RESULTS}", summary)
   results.write_text(f"{output_dir}/{results.TABLE_ROW}",
                      report.TABLE_HEADER + summary["table_row"] + "\n")
