@@ -241,8 +241,8 @@ def test_rows_without_their_settings_are_not_resumed(tmp_path):
   """config.json records the settings the rows were decoded with; with it deleted (or
   corrupt), a rerun must not decode the rest with its own settings into the same file."""
   (tmp_path / results.PREDICTIONS).write_text('{"index": 0}\n')
-  with pytest.raises(results.OutputDirError, match=f"decoded rows .* but no {results.CONFIG}.*"
-                                                   "delete .*predictions.jsonl too"):
+  with pytest.raises(results.OutputDirError, match=f"has {results.PREDICTIONS} but no "
+                                                   f"{results.CONFIG}.*empty this one"):
     results.check_config(str(tmp_path), {"a": 1})
   assert not (tmp_path / results.CONFIG).exists()
   (tmp_path / results.CONFIG).write_text('{"a": ')
@@ -250,7 +250,11 @@ def test_rows_without_their_settings_are_not_resumed(tmp_path):
                                                    "unknown settings"):
     results.check_config(str(tmp_path), {"a": 1})
   (tmp_path / results.CONFIG).unlink()
-  (tmp_path / results.PREDICTIONS).write_text("")  # no rows yet: a fresh start
+  (tmp_path / results.PREDICTIONS).write_text("")  # no rows yet
+  (tmp_path / results.GAMMA).write_text('{"gamma": 3}')  # but a gamma chosen for them
+  with pytest.raises(results.OutputDirError, match=f"has {results.GAMMA} but no"):
+    results.check_config(str(tmp_path), {"a": 1})
+  (tmp_path / results.GAMMA).unlink()  # nothing made yet: a fresh start
   results.check_config(str(tmp_path), {"a": 1})
   assert json.loads((tmp_path / results.CONFIG).read_text()) == {"a": 1}
 

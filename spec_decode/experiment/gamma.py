@@ -23,7 +23,7 @@ def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
                       | {top}))
 
 
-GAMMA_FILE = "gamma.json"
+GAMMA_FILE = results.GAMMA
 
 
 def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:

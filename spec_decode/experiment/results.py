@@ -36,6 +36,7 @@ PROGRESS = "progress.json"
 RESULTS = "results.json"
 TABLE_ROW = "table_row.md"
 RUNS = "runs.json"
+GAMMA = "gamma.json"  # the gamma chosen from warm-up measurements (experiment.gamma)
 LOCK = ".lock"
 
 
@@ -200,12 +201,12 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
   path = os.path.join(output_dir, CONFIG)
   config = json.loads(json.dumps(dict(config), sort_keys=True))
   predictions = os.path.join(output_dir, PREDICTIONS)
-  start_over = (f"its rows cannot be resumed under unknown settings: use a new output_dir, "
-                f"or delete {predictions} too to start this one over")
+  start_over = ("what was decoded or chosen there cannot be resumed under unknown settings: "
+                "use a new output_dir, or empty this one to start over")
   if os.path.exists(path):
     previous = read_state_json(path, "the settings of the runs that wrote here",
-                               fix=f"the rows in {PREDICTIONS} were decoded with the "
-                                   f"settings it held: {start_over}")
+                               fix=f"{PREDICTIONS} and {GAMMA} were made with the settings "
+                                   f"it held; {start_over}")
     skip = set(may_differ)
     old = _dotted({k: v for k, v in previous.items() if k not in skip})
     new = _dotted({k: v for k, v in config.items() if k not in skip})
@@ -214,11 +215,15 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
       detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
       raise ValueError(f"{output_dir} holds a run of a different experiment ({detail}); "
                        f"use a new output_dir or restore the settings to resume")
-  elif os.path.exists(predictions) and os.path.getsize(predictions) > 0:
-    # Rows without the settings that made them (config.json deleted): resuming would mix
-    # them with rows of whatever settings this run has, and the results with them.
-    raise OutputDirError(f"{output_dir} has decoded rows ({PREDICTIONS}) but no {CONFIG}, "
-                         f"which records the settings they were decoded with; {start_over}")
+  else:
+    # Rows or a gamma choice without the settings that made them (config.json deleted):
+    # resuming would mix them with whatever settings this run has, and the results too.
+    made = [name for name, there in (
+        (PREDICTIONS, os.path.exists(predictions) and os.path.getsize(predictions) > 0),
+        (GAMMA, os.path.exists(os.path.join(output_dir, GAMMA)))) if there]
+    if made:
+      raise OutputDirError(f"{output_dir} has {' and '.join(made)} but no {CONFIG}, which "
+                           f"records the settings they were made with; {start_over}")
   write_json(path, config)
 
 
