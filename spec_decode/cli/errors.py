@@ -157,9 +157,7 @@ def interrupts_not_swallowed(delay_s: float = 0.05):
   previous = sys.unraisablehook
 
   def hook(unraisable):
-    if isinstance(unraisable.exc_value, KeyboardInterrupt) or (
-        isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type,
-                                                             KeyboardInterrupt)):
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
       timer = threading.Timer(delay_s, _thread.interrupt_main)
       timer.daemon = True
       timer.start()

@@ -26,6 +26,12 @@ def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
 GAMMA_FILE = results.GAMMA
 
 
+def _max_gamma(config) -> int:
+  """The largest gamma a warm-up may choose: GammaChoice.max_gamma, and no more than the
+  tokens decoded per example (no call keeps more)."""
+  return min(config.gamma_choice.max_gamma, config.decode_len)
+
+
 def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
   """The gamma of decoder `GammaChoice.decoder` maximizing the expected speedup for alpha
   and costs measured on warm-up examples, by `GammaChoice.rule`.
@@ -57,7 +63,7 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
         raise results.OutputDirError(f"{path} (the gamma chosen from warm-up measurements) "
                                      f"is corrupt: gamma {g!r} is not an int >= 0; delete it "
                                      "to choose again")
-      if g > min(gc.max_gamma, s.config.decode_len):  # no choice the warm-up could make
+      if g > _max_gamma(s.config):  # no choice the warm-up could make
         raise results.OutputDirError(
             f"{path} (the gamma chosen from warm-up measurements) is corrupt: gamma {g} is "
             f"above the largest this run may choose (GammaChoice.max_gamma {gc.max_gamma}, "
@@ -81,7 +87,7 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
                        "(ExperimentConfig.gamma_choice = None) or raise "
                        "GammaChoice.warmup_examples")
     measured = gc.rule == "cost_model"
-    max_gamma = min(gc.max_gamma, cfg.decode_len)  # no call keeps more than decode_len tokens
+    max_gamma = _max_gamma(cfg)
     steps = measure.measure_step_times(s, repeats=cfg.step_timing_repeats, verify_tokens=(
         verify_probe_tokens(max_gamma) if measured else ()), in_loop=gc.in_loop_costs)
     c = steps["c_in_loop_by_decoder" if gc.in_loop_costs else "c_by_decoder"][gc.decoder]

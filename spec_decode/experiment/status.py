@@ -96,7 +96,7 @@ def summary_extras(output_dir: str, rows: Mapping[int, dict], examples: Sequence
                    + ": those outputs are not the model's (an argmax over NaN is PAD); the "
                    "rows' 'nonfinite_calls' counter in predictions.jsonl marks them; check "
                    "the checkpoint (a diverged or badly converted model)")
-  asked = getattr(config, "num_examples", None)
+  asked = config.num_examples
   if asked is not None and asked > len(examples):
     notices.append(f"{asked} examples were asked for (NUM_EXAMPLES) but the "
                    f"{config.split!r} split of {config.task} has {len(examples)}: all "
