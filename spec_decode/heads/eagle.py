@@ -206,7 +206,8 @@ class EagleHead(base.ParamSpecs):
     encoder output `encoded`."""
     c = self.config
     B = encoded.hidden.shape[0]
-    k, v = self.block.cross_kv(params["layers_0"], encoded.hidden.astype(c.dtype))
+    k, v = self.block.cross_kv(params["layers_0"], encoded.hidden.astype(c.dtype),
+                               mask=encoded.mask)
     empty_k, empty_v = t5.empty_self_kv(c.block_config, B, max_decode_len)
     return t5.DecodeCache(self_k=(empty_k,), self_v=(empty_v,), cross_k=(k,), cross_v=(v,),
                           encoder_mask=encoded.mask, lengths=jnp.zeros((B,), jnp.int32))

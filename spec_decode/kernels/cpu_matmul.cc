@@ -18,6 +18,11 @@
 // bfloat16 and int8 weights are widened to float32 in registers (exactly), so a
 // bfloat16 matrix gives the bits of its float32 copy at half the bytes read.
 //
+// Each call also takes `rows`, an int32 [1] operand: only x's first `rows` rows (clamped to
+// [0, M]) are multiplied; y's other rows come back as zeros. A caller whose trailing rows
+// are padding (an encoder input padded to a length bucket, a packed batch's unused slots)
+// pays for its real rows only, in one compiled program for every length.
+//
 // Every output element accumulates x[m, k] * W[k, n] over k = 0 .. K-1 in order with
 // fused multiply-adds (then times the column's scale, for int8), whatever M, the row's
 // place in the call and the variant: a row's result does not depend on which other
@@ -438,7 +443,8 @@ std::vector<float> NormRows(const float* x, const float* scale, float eps, int64
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::AnyBuffer panels,
                   const float* scales, const float* norm, float eps,
-                  ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant_code) {
+                  ffi::Buffer<ffi::S32> rows_buffer, ffi::ResultBuffer<ffi::F32> y,
+                  int64_t threads, int64_t variant_code) {
   const Variant variant = Variant::Of(variant_code);
   auto& x = x_buffer;
   const auto xd = x.dimensions();
@@ -449,19 +455,25 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::Any
       (pairs ? pd[3] != 2 : pd.size() != 3))
     return ffi::Error::InvalidArgument(
         "small_m_matmul: want x [M, K], panels [P, K, 16] or [P, K / 2, 16, 2], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (pd[1] * (pairs ? 2 : 1) != K || yd[0] != M || N > pd[0] * kPanel ||
+  if (rows_buffer.element_count() != 1)
+    return ffi::Error::InvalidArgument("small_m_matmul: want rows [1]");
+  const int64_t K = xd[1], N = yd[1];
+  if (pd[1] * (pairs ? 2 : 1) != K || yd[0] != xd[0] || N > pd[0] * kPanel ||
       N <= (pd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument("small_m_matmul: shapes of x, panels and y disagree");
   if (!HaveWidth(variant.width))
     return ffi::Error::InvalidArgument("small_m_matmul: vector width not built for this CPU");
+  // The rows multiplied: the first `rows` (the others, padding to the caller, are zeros).
+  const int64_t M = std::clamp<int64_t>(rows_buffer.typed_data()[0], 0, xd[0]);
+  float* out = y->typed_data();
+  std::fill(out + M * N, out + xd[0] * N, 0.0f);
+  if (M == 0) return ffi::Error::Success();
   const int64_t num_panels = pd[0];
   int64_t helpers = std::min<int64_t>(threads, pool.num_threads()) - 1;
   // Below ~256 KB of float32 weights a second thread costs more than it saves.
   if (K * N < (1 << 16)) helpers = 0;
   const auto type = panels.element_type();
   const void* w = panels.untyped_data();
-  float* out = y->typed_data();
   std::vector<float> normed;
   const float* xin = x.typed_data();
   if (norm != nullptr) {
@@ -508,32 +520,34 @@ ffi::Error CheckNorm(ffi::Buffer<ffi::F32>& norm, ffi::Buffer<ffi::F32>& x) {
 }
 
 ffi::Error Unscaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
-                    ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant) {
-  return Matmul(pool, x, panels, nullptr, nullptr, 0.0f, y, threads, variant);
+                    ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                    int64_t variant) {
+  return Matmul(pool, x, panels, nullptr, nullptr, 0.0f, rows, y, threads, variant);
 }
 
 ffi::Error Scaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
-                  ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                  int64_t variant) {
+                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> rows,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant) {
   if (auto e = CheckScales(scales, panels); e.failure()) return e;
-  return Matmul(pool, x, panels, scales.typed_data(), nullptr, 0.0f, y, threads, variant);
+  return Matmul(pool, x, panels, scales.typed_data(), nullptr, 0.0f, rows, y, threads,
+                variant);
 }
 
 ffi::Error Normed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
-                  ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                  int64_t variant, float eps) {
+                  ffi::Buffer<ffi::F32> norm, ffi::Buffer<ffi::S32> rows,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant, float eps) {
   if (auto e = CheckNorm(norm, x); e.failure()) return e;
-  return Matmul(pool, x, panels, nullptr, norm.typed_data(), eps, y, threads, variant);
+  return Matmul(pool, x, panels, nullptr, norm.typed_data(), eps, rows, y, threads, variant);
 }
 
 ffi::Error NormedScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> norm,
-                        ffi::ResultBuffer<ffi::F32> y, int64_t threads, int64_t variant,
-                        float eps) {
+                        ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                        int64_t threads, int64_t variant, float eps) {
   if (auto e = CheckScales(scales, panels); e.failure()) return e;
   if (auto e = CheckNorm(norm, x); e.failure()) return e;
-  return Matmul(pool, x, panels, scales.typed_data(), norm.typed_data(), eps, y, threads,
-                variant);
+  return Matmul(pool, x, panels, scales.typed_data(), norm.typed_data(), eps, rows, y,
+                threads, variant);
 }
 
 template <typename V>
@@ -555,6 +569,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmul, Unscaled,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant"));
@@ -565,6 +580,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulScaled, Scaled,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant"));
@@ -575,6 +591,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulNormed, Normed,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant")
@@ -587,6 +604,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulNormedScaled, NormedScaled,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant")

@@ -185,12 +185,18 @@ def _threads() -> int:
   return n
 
 
-def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6) -> jax.Array:
+def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6, rows=None) -> jax.Array:
   """x [..., K] @ W -> [..., N] float32 through the kernel (on CPU, when `available()`).
 
   norm [K]: multiply T5's RMS norm of x by W instead, rms_norm(x) = x * rsqrt(mean(x^2) +
   eps) * norm, computed in the same call (a norm and the projection after it cost one
-  kernel launch, not five)."""
+  kernel launch, not five).
+
+  rows (an int, or a traced int32 scalar): multiply only the first `rows` rows of x
+  flattened to [M, K] (clamped to [0, M]); the other rows of the result are zeros. For
+  inputs whose trailing rows are padding (an encoder input padded to its length bucket):
+  the work follows the real length while the compiled shapes stay fixed. The rows computed
+  are the same bits as without `rows`."""
   reason = _register()
   if reason is not None:
     raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason}); multiply by "
@@ -212,6 +218,7 @@ def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6) -> jax.Arra
   if norm is not None:
     args.append(norm.astype(jnp.float32))
     attrs["eps"] = np.float32(eps)
+  args.append(jnp.reshape(jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32), (1,)))
   target = _TARGETS[(kernel.scales is not None, norm is not None)][0]
   y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)
   return y.reshape(*lead, N)

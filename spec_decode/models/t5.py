@@ -274,6 +274,17 @@ def _unpack_rows(x_P_, index_P, B: int, S: int):
   return out[:B * S].reshape((B, S) + x_P_.shape[1:])
 
 
+def _real_rows(mask_BS, packed_index=None):
+  """How many leading rows of an encoder's products are not all padding (int32 scalar):
+  packed, the real tokens (`base.packing_index` puts them first, its padding after);
+  else the flat positions [B * S] up to the last real token. The CPU kernel multiplies
+  those rows only (`cpu_matmul.matmul(rows=)`): the rest are padding, masked everywhere."""
+  if packed_index is not None:
+    return jnp.sum(packed_index < mask_BS.size, dtype=jnp.int32)
+  flat = mask_BS.reshape(-1)
+  return jnp.max(jnp.where(flat, jnp.arange(1, flat.size + 1, dtype=jnp.int32), 0))
+
+
 def _kv_layout(k_BLNH, v_BLNH):
   """Projected K and V [B, L, N, H] in the cache's layouts: K [B, N, H, L], V [B, N, L, H]."""
   return jnp.transpose(k_BLNH, (0, 2, 3, 1)), jnp.swapaxes(v_BLNH, 1, 2)
@@ -390,51 +401,54 @@ class T5(base.ParamSpecs):
     table_VD = self._get(params["token_embedder"]["embedding"], tokens)
     return jnp.take(table_VD, tokens, axis=0).astype(self.config.dtype)
 
-  def _dense(self, x_BTI, kernel_IO):
+  def _dense(self, x_BTI, kernel_IO, rows=None):
     """x [B, T, I] (or a `_Normed` input) @ kernel [I, O]: XLA's dot, or the CPU decoding
-    kernel when the kernel was packed for it (`decode_params`)."""
+    kernel when the kernel was packed for it (`decode_params`). rows: the kernel multiplies
+    only the first `rows` of the B * T rows (the rest are padding to the caller, and come
+    back as zeros; `_real_rows`); XLA's dot multiplies them all."""
     if isinstance(kernel_IO, cpu_matmul.PackedKernel):  # packed only for float32 models
       if isinstance(x_BTI, _Normed):
-        return cpu_matmul.matmul(x_BTI.x, kernel_IO, norm=x_BTI.scale, eps=x_BTI.eps)
-      return cpu_matmul.matmul(x_BTI, kernel_IO)
+        return cpu_matmul.matmul(x_BTI.x, kernel_IO, norm=x_BTI.scale, eps=x_BTI.eps,
+                                 rows=rows)
+      return cpu_matmul.matmul(x_BTI, kernel_IO, rows=rows)
     if isinstance(x_BTI, _Normed):
       x_BTI = x_BTI.value()
     return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO.astype(self.config.dtype))
 
-  def _project_heads(self, x_BTD, kernel_DK):
+  def _project_heads(self, x_BTD, kernel_DK, rows=None):
     c = self.config
-    y = self._dense(x_BTD, kernel_DK)
+    y = self._dense(x_BTD, kernel_DK, rows)
     return y.reshape(*y.shape[:2], c.num_heads, c.head_dim)
 
-  def _merge_heads(self, y_BTNH, kernel_KD):
-    return self._dense(y_BTNH.reshape(*y_BTNH.shape[:2], -1), kernel_KD)
+  def _merge_heads(self, y_BTNH, kernel_KD, rows=None):
+    return self._dense(y_BTNH.reshape(*y_BTNH.shape[:2], -1), kernel_KD, rows)
 
-  def _heads(self, x_BTD, a, names):
+  def _heads(self, x_BTD, a, names, rows=None):
     """The projections `names` of attention params `a` [B, T, N, H] each: one product with
     their joined kernel when `decode_params` joined them (`JOINED`), else one per name."""
     joined = JOINED.get(names)
     if joined in a:
       c = self.config
-      y = self._dense(x_BTD, a[joined]["kernel"])
+      y = self._dense(x_BTD, a[joined]["kernel"], rows)
       K = c.joined_kv
       return tuple(y[..., i * K:(i + 1) * K].reshape(*y.shape[:2], c.num_heads, c.head_dim)
                    for i in range(len(names)))
-    return tuple(self._project_heads(x_BTD, a[n]["kernel"]) for n in names)
+    return tuple(self._project_heads(x_BTD, a[n]["kernel"], rows) for n in names)
 
-  def _mlp(self, p, x_BTD):
+  def _mlp(self, p, x_BTD, rows=None):
     c = self.config
     names = c.mlp_names()
     if JOINED_MLP in p:  # the input kernels joined by `decode_params`: one product
-      y = self._dense(x_BTD, p[JOINED_MLP]["kernel"])
+      y = self._dense(x_BTD, p[JOINED_MLP]["kernel"], rows)
       F = c.mlp_dim
       parts = [y[..., i * F:(i + 1) * F] for i in range(len(names))]
     else:
-      parts = [self._dense(x_BTD, p[name]["kernel"]) for name in names]
+      parts = [self._dense(x_BTD, p[name]["kernel"], rows) for name in names]
     h = None
     for part, act in zip(parts, c.mlp_activations):
       a = _ACTIVATIONS[act](part)
       h = a if h is None else h * a
-    return self._dense(h, p["wo"]["kernel"])
+    return self._dense(h, p["wo"]["kernel"], rows)
 
   def _relpos_bias(self, rel_embedding_NR, rel_pos, bidirectional):
     """rel_pos [..., T, L] (key - query) -> bias [..., N, T, L] float32."""
@@ -481,17 +495,18 @@ class T5(base.ParamSpecs):
     bias = self._relpos_bias(self._get(enc["relpos_bias"]["rel_embedding"], encoder_tokens),
                              pos[None, :] - pos[:, None], bidirectional=True)[None]  # [1,N,S,S]
     attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (B, S, S))
+    rows = _real_rows(mask_BS, packed_index)  # the products skip the padding rows after it
     x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_encoder_layers):
       p = self._get(enc[f"layers_{i}"], x_prev)
       x_prev = x
       h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
-      q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value")))
+      q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
       x = x + self._merge_heads(pack(_attend(q, *_kv_layout(k, v), bias, attn_mask)),
-                                a["out"]["kernel"])
+                                a["out"]["kernel"], rows)
       h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
-      x = x + self._mlp(p["mlp"], h)
+      x = x + self._mlp(p["mlp"], h, rows)
     x = _rms_norm(x, self._get(enc["encoder_norm"]["scale"], x_prev), c.layer_norm_epsilon)
     return EncoderOutput(hidden=unpack(x), mask=mask_BS, packed_index=packed_index)
 
@@ -512,7 +527,8 @@ class T5(base.ParamSpecs):
       kernels = {"encoder_decoder_attention": {n: v for n, v in a.items() if n != "query"}}
       # Streamed, layer i's kernels wait for layer i - 2's K: one layer of prefetch.
       k, v = self.cross_kv(self._get(kernels, encoded.hidden if i < 2 else cross_k[i - 2]),
-                           encoded.hidden, packed_index=encoded.packed_index)
+                           encoded.hidden, packed_index=encoded.packed_index,
+                           mask=encoded.mask)
       cross_k.append(k)
       cross_v.append(v)
     empty_k, empty_v = empty_self_kv(c, B, max_decode_len)
@@ -570,18 +586,20 @@ class T5(base.ParamSpecs):
     bias = self._relpos_bias(rel_embedding_NR, rel_BTL, bidirectional=False)
     return bias, self_mask
 
-  def cross_kv(self, layer_params, encoder_hidden_BSD, packed_index=None):
+  def cross_kv(self, layer_params, encoder_hidden_BSD, packed_index=None, mask=None):
     """One decoder layer's cross-attention K [B, N, H, S] and V [B, N, S, H] of encoder
     states (the cache's layouts, `DecodeCache`); with packed_index (`EncoderOutput`)
     projected from the real tokens' positions only (zeros at PAD positions, which
-    cross-attention masks)."""
+    cross-attention masks). mask [B, S] (the encoder's): the CPU kernel skips the padding
+    rows after the last real token (their K/V are zeros; cross-attention masks them)."""
     a = layer_params["encoder_decoder_attention"]
+    rows = None if mask is None else _real_rows(mask, packed_index)
     if packed_index is None:
-      return _kv_layout(*self._heads(encoder_hidden_BSD, a, ("key", "value")))
+      return _kv_layout(*self._heads(encoder_hidden_BSD, a, ("key", "value"), rows))
     B, S = encoder_hidden_BSD.shape[:2]
     h = _pack_rows(encoder_hidden_BSD, packed_index)[None]
     return _kv_layout(*(_unpack_rows(y[0], packed_index, B, S)
-                        for y in self._heads(h, a, ("key", "value"))))
+                        for y in self._heads(h, a, ("key", "value"), rows)))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
                     cross_k_BNHS, cross_v_BNSH, cross_mask_BTS):
