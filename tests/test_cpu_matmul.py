@@ -505,3 +505,62 @@ def test_describe_names_the_cpu_and_the_variants():
   assert ("avx512f" in info["features"]) == (16 in info["widths"]) or not info["features"]
   assert cpu_matmul.read_bandwidth(1 << 20, threads=1, passes=2) > 0
   assert cpu_matmul.fma_peak(8, threads=1, iters=10_000) > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_matmul_rows_multiplies_the_leading_rows_only(weights):
+  """`rows`: the first rows are the bits of the whole product, the others zeros; a traced
+  count (one compile for every count), 0, and counts past M (clamped)."""
+  rng = np.random.default_rng(0)
+  w = cpu_matmul.pack(rng.standard_normal((64, 48)).astype(np.float32), weights)
+  x = jnp.asarray(rng.standard_normal((2, 7, 64)).astype(np.float32))
+  norm = jnp.asarray(rng.random(64).astype(np.float32))
+  with_rows = jax.jit(lambda x, r, norm: cpu_matmul.matmul(x, w, norm=norm, rows=r))
+  for norm_arg in (None, norm):
+    full = np.asarray(cpu_matmul.matmul(x, w, norm=norm_arg)).reshape(14, 48)
+    for r in (0, 1, 5, 13, 14, 40):
+      got = np.asarray(with_rows(x, np.int32(r), norm_arg)).reshape(14, 48)
+      k = min(r, 14)
+      np.testing.assert_array_equal(got[:k], full[:k])
+      np.testing.assert_array_equal(got[k:], 0)
+
+
+def test_real_rows_counts_up_to_the_last_real_token():
+  mask = jnp.asarray([[1, 1, 0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]], bool)
+  assert int(t5._real_rows(mask)) == 11  # flat positions 0..10: row 1 ends at position 2
+  assert int(t5._real_rows(mask[:1])) == 2
+  assert int(t5._real_rows(jnp.zeros((1, 4), bool))) == 0
+  index = base.packing_index(np.asarray(mask, np.int32))  # 4 real tokens, padded to 8
+  assert index.size == 8 and int(t5._real_rows(mask, jnp.asarray(index))) == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed_batch", [False, True])
+def test_encoder_skips_padding_rows_with_the_same_states(pack_small, monkeypatch, packed_batch):
+  """The kernel multiplies an encoder input's real rows only (`_real_rows`); the real
+  positions' states and cross-attention K/V are the bits of multiplying every row."""
+  model, params = _mini()
+  packed = model.decode_params(params)
+  tokens = np.zeros((2 if packed_batch else 1, 16), np.int32)
+  tokens[0, :11] = np.arange(2, 13)
+  if packed_batch:
+    tokens[1, :5] = np.arange(20, 25)
+  index = jnp.asarray(base.packing_index(tokens)) if packed_batch else None
+  assert packed_batch == (index is not None)
+  mask = tokens > 0
+
+  def states():
+    # The unjitted bodies, so that each run traces `_real_rows` as patched.
+    enc = type(model)._encode.__wrapped__(model, packed, jnp.asarray(tokens), index)
+    cache = type(model)._init_cache.__wrapped__(model, packed, enc, 4)
+    return np.asarray(enc.hidden), [np.asarray(k) for k in cache.cross_k]
+
+  skipped = states()
+  monkeypatch.setattr(t5, "_real_rows", lambda *args, **kwargs: None)
+  every = states()
+  np.testing.assert_array_equal(skipped[0][mask], every[0][mask])
+  for k_skipped, k_every in zip(skipped[1], every[1]):  # K [B, N, H, S]
+    np.testing.assert_array_equal(np.moveaxis(k_skipped, 3, 1)[mask],
+                                  np.moveaxis(k_every, 3, 1)[mask])
+  assert np.isfinite(skipped[0]).all()
