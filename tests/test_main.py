@@ -720,6 +720,21 @@ def test_refill_calls_hold_chunks_and_costs_are_measured_at_the_slot_batch():
   assert n == 6 and [b[0].shape[0] for b in batches] == [2, 2, 2]
 
 
+def test_an_unknown_draft_kind_is_refused_before_the_target_loads(monkeypatch):
+  """A misspelled draft kind is named before minutes go into loading the target."""
+  from spec_decode.experiment import setup
+  target = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
+  config = experiment.ExperimentConfig(
+      target=target, draft=model_specs.ModelSpec(kind="eagel"), task="toy_reverse",
+      decoders={"speculative": decoding.Speculative(gamma=2)})
+
+  def no_loading(spec, context):
+    raise AssertionError(f"the {context.role} was loaded")
+  monkeypatch.setitem(model_specs._LOADERS, "t5", no_loading)
+  with pytest.raises(ValueError, match="unknown model kind 'eagel' for the draft; known: .*'eagle'"):
+    setup.load(config)
+
+
 def test_refill_settings_are_checked():
   spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
   make = lambda **kw: experiment.ExperimentConfig(

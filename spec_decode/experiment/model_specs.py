@@ -152,18 +152,23 @@ def register_kind(kind: str, loader: Loader) -> None:
   _LOADERS[kind] = loader
 
 
+def loader_of(spec: ModelSpec, role: str) -> Loader:
+  """The loader of `spec.kind`; ValueError naming the role and the known kinds when no loader
+  is registered for it (checked for every role before the first model loads, so that a
+  misspelled draft kind is not found only after minutes of loading the target)."""
+  if spec.kind in _LOADERS:
+    return _LOADERS[spec.kind]
+  if spec.kind in head_checkpoints.kinds():
+    return _load_head
+  raise ValueError(f"unknown model kind {spec.kind!r} for the {role}; "
+                   f"known: {sorted(set(_LOADERS) | set(head_checkpoints.kinds()))}")
+
+
 def load(spec: ModelSpec, context: LoadContext) -> tuple[Any, Any]:
   """(model, params) for `spec`: a `Decoder`, or a draft head its drafter reads."""
   if not isinstance(spec, ModelSpec):
     raise ValueError(f"{context.role} must be a ModelSpec, got {type(spec).__name__}")
-  if spec.kind in _LOADERS:
-    loader = _LOADERS[spec.kind]
-  elif spec.kind in head_checkpoints.kinds():
-    loader = _load_head
-  else:
-    raise ValueError(f"unknown model kind {spec.kind!r} for the {context.role}; "
-                     f"known: {sorted(set(_LOADERS) | set(head_checkpoints.kinds()))}")
-  model, params = loader(spec, context)
+  model, params = loader_of(spec, context.role)(spec, context)
   if context.vocab_size is not None and model.vocab_size != context.vocab_size:
     raise ValueError(f"the {context.role} ({spec.label}) has vocab_size {model.vocab_size}, "
                      f"expected {context.vocab_size}")

@@ -50,6 +50,7 @@ def load(config: ExperimentConfig, *, status: Callable[[str], None] = lambda msg
   """
   roles = ("target",) if config.draft is None else ("target", "draft")
   for role in roles:
+    model_specs.loader_of(getattr(config, role), role)  # an unknown kind, before any loading
     model_specs.check_checkpoint(getattr(config, role), role)
   status(f"loading task {config.task} ({config.split}) and its examples")
   task = data.get_task(config.task, **({"vocabulary": config.vocabulary}
