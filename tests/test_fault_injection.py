@@ -148,3 +148,34 @@ def test_ctrl_c_while_the_loops_compile_is_one_line_not_a_crash(tmp_path, delay_
   assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]
   path = os.path.join(out, results.PREDICTIONS)
   assert lines[-1].startswith("spec_decode.main: interrupted: ") and path in lines[-1]
+
+
+def test_ctrl_c_during_training_is_one_line_naming_the_saved_state(tmp_path):
+  """SIGINT to `spec_decode.cli.train` once it reports its first steps: exit 130 and one line
+  naming the workdir whose last saved step a rerun resumes from; no traceback, no crash."""
+  workdir = tmp_path / "work"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "spec_decode.cli.train", "--gin_file=configs/demo/ende_small.gin",
+       f"--gin.TrainConfig.workdir='{workdir}'",
+       f"--gin.TrainConfig.export_path='{tmp_path / 'export'}'",
+       "--gin.TrainConfig.num_steps=100000", "--gin.TrainConfig.batch_size=4",
+       "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.save_every=2",
+       "--gin.TrainConfig.eval_every=100000"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      preexec_fn=interruptible)
+  try:
+    first = proc.stdout.readline()  # the first report: training has started
+    assert first, proc.stderr.read()[-3000:]
+    time.sleep(1.0)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 130, err[-3000:]
+  assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+  assert lines[-1] == (f"spec_decode.cli.train: interrupted: the train state is saved in "
+                       f"{workdir} (saved every 2 steps); rerun the same command to resume "
+                       "from its last saved step")

@@ -171,6 +171,9 @@ def interrupts_not_swallowed(delay_s: float = 0.05):
     sys.unraisablehook = previous
 
 
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
+
+
 def exit_now(code: int) -> None:
   """Ends the process with `code` at once, after flushing stdout and stderr, without the
   interpreter's shutdown: after a Ctrl-C during compilation, XLA's compiler threads are

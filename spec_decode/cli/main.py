@@ -226,7 +226,7 @@ def format_summary(summary: dict) -> str:
   return "\n".join(lines)
 
 
-EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
+EXIT_INTERRUPTED = errors.EXIT_INTERRUPTED  # 130, as a shell reports a process ended by SIGINT
 
 
 def interrupted_line(output_dir: str) -> str:

@@ -6,11 +6,13 @@ Every training config (`TrainConfig` for T5 models, `EagleTrainConfig`,
 `MtpTrainConfig`, `MedusaTrainConfig` for draft heads, or any config registered
 with `configurable.register(runnable=True)`) has a `run` method; the gin files
 must bind exactly one of them. Errors in what you typed end in one line and
-exit code 2 (`--verbose` shows the traceback).
+exit code 2 (`--verbose` shows the traceback); Ctrl-C ends in one line saying where the
+saved steps are, and exit code 130.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from absl import app, flags
@@ -43,7 +45,26 @@ def main(argv: Sequence[str]) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     errors.quiet_logging()
     cfg = parse_config(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-    cfg.run(report=lambda s: print(s, flush=True))
+    try:
+      with errors.interrupts_not_swallowed():
+        cfg.run(report=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+      if flags.FLAGS.verbose:
+        raise
+      print(f"\n{interrupted_line(cfg)}", file=sys.stderr, flush=True)
+      errors.exit_now(errors.EXIT_INTERRUPTED)
+
+
+def interrupted_line(cfg) -> str:
+  """What a Ctrl-C leaves of a training run: where its saved steps are and how to go on."""
+  workdir = getattr(cfg, "workdir", None)
+  if not workdir:
+    return (f"{PROGRAM}: interrupted: this run has no workdir, so no step was saved; set "
+            f"{type(cfg).__name__}.workdir to make a run resumable")
+  every = getattr(cfg, "save_every", None)
+  when = f" (saved every {every} steps)" if every else ""
+  return (f"{PROGRAM}: interrupted: the train state is saved in {workdir}{when}; rerun the "
+          f"same command to resume from its last saved step")
 
 
 def run_command() -> None:
