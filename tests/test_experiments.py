@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
-                         paper_tables, peers, reproduce, results_readme, setups, trees,
-                         verify_scaling)
+                         paper_tables, peers, reproduce, results_readme, setup_cost, setups,
+                         trees, verify_scaling)
 from spec_decode import decoding, experiment, theory
 from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
@@ -580,6 +580,22 @@ def test_verify_scaling_tiny(out):
   assert set(row["ratios"]) == {"1", "3"} and row["ratios"]["1"] == 1.0
   with pytest.raises(SystemExit):
     verify_scaling.main(["--models", "", "--results_dir", out["results"]])
+
+
+@pytest.mark.slow
+def test_setup_cost_ende(out):
+  """Both settings timed on the big demo EnDe target; the skipping switch is on again after."""
+  from spec_decode.models import t5
+  paths = setup_cost.main(["--tasks", "ende", "--num_examples", "3", "--rounds", "1",
+                           "--results_dir", out["results"]])
+  (row,) = _json(paths["json"])["rows"]
+  assert row["task"] == "synthetic_ende" and row["examples"] == 3
+  assert 1 <= row["real_length"] <= row["bucket"] <= 32
+  assert row["all_ms"] > 0 and row["skip_ms"] > 0
+  assert row["ratio"] == pytest.approx(row["all_ms"] / row["skip_ms"])
+  assert t5.SKIP_PADDING_ROWS
+  with pytest.raises(SystemExit):
+    setup_cost.main(["--tasks", "wmt", "--results_dir", out["results"]])
 
 
 @pytest.mark.slow

@@ -274,11 +274,19 @@ def _unpack_rows(x_P_, index_P, B: int, S: int):
   return out[:B * S].reshape((B, S) + x_P_.shape[1:])
 
 
+# Whether the CPU kernel skips an encoder input's padding rows (`_real_rows`); read when a
+# function is traced. Off only to measure what skipping saves (experiments/setup_cost.py).
+SKIP_PADDING_ROWS = True
+
+
 def _real_rows(mask_BS, packed_index=None):
   """How many leading rows of an encoder's products are not all padding (int32 scalar):
   packed, the real tokens (`base.packing_index` puts them first, its padding after);
   else the flat positions [B * S] up to the last real token. The CPU kernel multiplies
-  those rows only (`cpu_matmul.matmul(rows=)`): the rest are padding, masked everywhere."""
+  those rows only (`cpu_matmul.matmul(rows=)`): the rest are padding, masked everywhere.
+  None (every row) when SKIP_PADDING_ROWS is off."""
+  if not SKIP_PADDING_ROWS:
+    return None
   if packed_index is not None:
     return jnp.sum(packed_index < mask_BS.size, dtype=jnp.int32)
   flat = mask_BS.reshape(-1)
