@@ -121,21 +121,13 @@ def test_a_signal_after_the_last_row_before_the_results(tmp_path, reference, sig
   _resume_and_check(out, reference)
 
 
-@pytest.mark.parametrize("delay_s", [1.5, 3.0])
-def test_ctrl_c_while_the_loops_compile_is_one_line_not_a_crash(tmp_path, delay_s):
-  """SIGINT 1.5 or 3 s after the run has written config.json (the loops are compiling):
-  exit 130 with the one line, no crash. The interpreter's shutdown under XLA's running
-  compiler threads used to end such a run with a segmentation fault (exit 139)."""
-  out = str(tmp_path / "compiling")
-  proc = subprocess.Popen(CLI + [f"--output_dir={out}", "--gin.NUM_EXAMPLES=20",
-                                 "--gin.BATCH_SIZE=1"],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=interruptible)
-  config = os.path.join(out, "config.json")
-  deadline = time.time() + 300
+def _ctrl_c(command, wait, delay_s: float) -> tuple[int, str]:
+  """Runs `command` (stdout piped), waits for wait(proc) and delay_s more, sends SIGINT:
+  (exit code, stderr)."""
+  proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, preexec_fn=interruptible)
   try:
-    while time.time() < deadline and proc.poll() is None and not os.path.exists(config):
-      time.sleep(0.02)
+    wait(proc)
     time.sleep(delay_s)
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     proc.send_signal(signal.SIGINT)
@@ -143,8 +135,25 @@ def test_ctrl_c_while_the_loops_compile_is_one_line_not_a_crash(tmp_path, delay_
   finally:
     proc.kill()
     proc.wait()
+  return proc.returncode, err
+
+
+@pytest.mark.parametrize("delay_s", [1.5, 3.0])
+def test_ctrl_c_while_the_loops_compile_is_one_line_not_a_crash(tmp_path, delay_s):
+  """SIGINT 1.5 or 3 s after the run has written config.json (the loops are compiling):
+  exit 130 with the one line, no crash. The interpreter's shutdown under XLA's running
+  compiler threads used to end such a run with a segmentation fault (exit 139)."""
+  out = str(tmp_path / "compiling")
+  config = os.path.join(out, "config.json")
+
+  def compiling(proc):
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(config):
+      time.sleep(0.02)
+  returncode, err = _ctrl_c(CLI + [f"--output_dir={out}", "--gin.NUM_EXAMPLES=20",
+                                   "--gin.BATCH_SIZE=1"], compiling, delay_s)
   lines = [line for line in err.splitlines() if line.strip()]
-  assert proc.returncode == 130, err[-3000:]
+  assert returncode == 130, err[-3000:]
   assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]
   path = os.path.join(out, results.PREDICTIONS)
   assert lines[-1].startswith("spec_decode.main: interrupted: ") and path in lines[-1]
@@ -154,27 +163,16 @@ def test_ctrl_c_during_training_is_one_line_naming_the_saved_state(tmp_path):
   """SIGINT to `spec_decode.cli.train` once it reports its first steps: exit 130 and one line
   naming the workdir whose last saved step a rerun resumes from; no traceback, no crash."""
   workdir = tmp_path / "work"
-  proc = subprocess.Popen(
+  training = lambda proc: proc.stdout.readline()  # the first report: training has started
+  returncode, err = _ctrl_c(
       [sys.executable, "-m", "spec_decode.cli.train", "--gin_file=configs/demo/ende_small.gin",
        f"--gin.TrainConfig.workdir='{workdir}'",
        f"--gin.TrainConfig.export_path='{tmp_path / 'export'}'",
        "--gin.TrainConfig.num_steps=100000", "--gin.TrainConfig.batch_size=4",
        "--gin.TrainConfig.log_every=1", "--gin.TrainConfig.save_every=2",
-       "--gin.TrainConfig.eval_every=100000"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      preexec_fn=interruptible)
-  try:
-    first = proc.stdout.readline()  # the first report: training has started
-    assert first, proc.stderr.read()[-3000:]
-    time.sleep(1.0)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    proc.kill()
-    proc.wait()
+       "--gin.TrainConfig.eval_every=100000"], training, 1.0)
   lines = [line for line in err.splitlines() if line.strip()]
-  assert proc.returncode == 130, err[-3000:]
+  assert returncode == 130, err[-3000:]
   assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
   assert lines[-1] == (f"spec_decode.cli.train: interrupted: the train state is saved in "
                        f"{workdir} (saved every 2 steps); rerun the same command to resume "
