@@ -564,3 +564,26 @@ def test_encoder_skips_padding_rows_with_the_same_states(pack_small, monkeypatch
     np.testing.assert_array_equal(np.moveaxis(k_skipped, 3, 1)[mask],
                                   np.moveaxis(k_every, 3, 1)[mask])
   assert np.isfinite(skipped[0]).all()
+
+
+@needs_kernel
+def test_thread_stats_count_the_split_calls(monkeypatch):
+  """`thread_stats`: one count per call split between the caller and a helper, the helpers'
+  share of the panels in [0, 1], durations; zero after a reset."""
+  monkeypatch.delenv(cpu_matmul.ENV_THREADS, raising=False)
+  w = cpu_matmul.pack(np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32),
+                      "bfloat16")
+  f = jax.jit(lambda x: cpu_matmul.matmul(x, w))
+  x = jnp.ones((5, 512))
+  f(x).block_until_ready()
+  cpu_matmul.thread_stats(reset=True)
+  for _ in range(3):
+    f(x).block_until_ready()
+  stats = cpu_matmul.thread_stats(reset=True)
+  if stats["split_calls"] == 0:
+    pytest.skip("XLA's intra-op pool has one thread here: no call is split")
+  assert stats["split_calls"] == 3
+  assert stats["helpers_per_call"] >= 0
+  assert 0 <= stats["helper_share"] <= 1 and 0 <= stats["helper_idle"] <= 1
+  assert stats["call_us"] > 0 and stats["wait_us"] >= 0 and stats["helper_start_us"] >= 0
+  assert cpu_matmul.thread_stats()["split_calls"] == 0

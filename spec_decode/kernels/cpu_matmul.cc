@@ -52,6 +52,8 @@
 #include <immintrin.h>
 #endif
 
+#include <sched.h>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -387,18 +389,45 @@ std::vector<uint32_t> PairRows(const float* x, int64_t M, int64_t K2) {
   return out;
 }
 
+// CPUs this process may run on (its affinity mask; all online CPUs where that is unknown).
+int64_t UsableCpus() {
+  static const int64_t n = [] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return int64_t{CPU_COUNT(&set)};
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return n;
+}
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// How calls split their panels between the calling thread and a helper from XLA's pool,
+// summed since the last `spec_decode_thread_stats` reset (a diagnostic of the split's
+// overhead: a helper that starts late leaves its share to the caller).
+struct SplitStats {
+  std::atomic<int64_t> calls{0}, panels{0}, helpers{0}, helper_panels{0}, working{0},
+      working_start_ns{0}, wait_ns{0}, call_ns{0};
+};
+SplitStats g_split;
+
 template <typename T>
 struct Shared {
   Problem<T> problem;
   Variant variant;
-  int64_t num_panels, chunk;
+  int64_t num_panels, chunk, start_ns = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
-  void Work() {
+  int64_t Work() {  // -> panels multiplied by this thread
+    int64_t done = 0;
     for (;;) {
       const int64_t j0 = next.fetch_add(chunk);
-      if (j0 >= num_panels) return;
-      Range(problem, variant, j0, std::min(num_panels, j0 + chunk));
+      if (j0 >= num_panels) return done;
+      const int64_t j1 = std::min(num_panels, j0 + chunk);
+      Range(problem, variant, j0, j1);
+      done += j1 - j0;
     }
   }
 };
@@ -415,15 +444,29 @@ void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t
   shared->variant = variant;
   shared->num_panels = num_panels;
   shared->chunk = kGroup * std::max<int64_t>(1, num_panels / (8 * kGroup * (helpers + 1)));
+  shared->start_ns = NowNs();
   for (int64_t i = 0; i < helpers; ++i) {
     pool->Schedule([shared] {
+      const int64_t start = NowNs();
       shared->active.fetch_add(1);
-      shared->Work();
+      const int64_t done = shared->Work();
       shared->active.fetch_sub(1);
+      g_split.helpers += 1;
+      g_split.helper_panels += done;
+      if (done > 0) {  // a helper that found the work gone started after the call ended
+        g_split.working += 1;
+        g_split.working_start_ns += start - shared->start_ns;
+      }
     });
   }
   shared->Work();
+  const int64_t own_done = NowNs();
   while (shared->active.load() != 0) std::this_thread::yield();
+  const int64_t end = NowNs();
+  g_split.calls += 1;
+  g_split.panels += num_panels;
+  g_split.wait_ns += end - own_done;
+  g_split.call_ns += end - shared->start_ns;
 }
 
 // x's rows RMS-normalized and scaled, as T5's norm before a projection: row * rsqrt(mean(row^2)
@@ -469,7 +512,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::Any
   std::fill(out + M * N, out + xd[0] * N, 0.0f);
   if (M == 0) return ffi::Error::Success();
   const int64_t num_panels = pd[0];
-  int64_t helpers = std::min<int64_t>(threads, pool.num_threads()) - 1;
+  // One thread per usable CPU at most: XLA's pool can hold more threads than there are CPUs
+  // (several simulated devices), and helpers beyond the CPUs only wait for a core.
+  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
   // Below ~256 KB of float32 weights a second thread costs more than it saves.
   if (K * N < (1 << 16)) helpers = 0;
   const auto type = panels.element_type();
@@ -661,6 +706,17 @@ double spec_decode_sweep(const float* x, const void* panels, const float* scales
                            dtype, variant_code) != 0)
       return -1;
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The split's counters (`SplitStats`) since the last reset into out[8]: calls split, their
+// panels, helpers started, the helpers' panels, helpers that found work, their start delays
+// (ns, summed), the callers' waits for their helpers after their own share (ns) and the
+// split calls' durations (ns). reset != 0: zero them after reading.
+void spec_decode_thread_stats(double* out, int64_t reset) {
+  std::atomic<int64_t>* fields[] = {&g_split.calls, &g_split.panels, &g_split.helpers,
+                                    &g_split.helper_panels, &g_split.working,
+                                    &g_split.working_start_ns, &g_split.wait_ns, &g_split.call_ns};
+  for (int i = 0; i < 8; ++i) out[i] = double(reset ? fields[i]->exchange(0) : fields[i]->load());
 }
 
 // Whether the bfloat16 dot-product variant (AVX512-BF16) is built.

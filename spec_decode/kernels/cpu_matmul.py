@@ -282,6 +282,8 @@ def _register() -> str | None:
     lib.spec_decode_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.spec_decode_read_gbps.restype = ctypes.c_double
     lib.spec_decode_read_gbps.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.spec_decode_thread_stats.restype = None
+    lib.spec_decode_thread_stats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.spec_decode_fma_gflops.restype = ctypes.c_double
     lib.spec_decode_fma_gflops.argtypes = [ctypes.c_int64] * 3
   except Exception as e:  # no compiler, no headers, an FFI mismatch: keep XLA's dots
@@ -513,6 +515,28 @@ def describe() -> dict[str, Any]:
     info["chosen_variants"] = dict(sorted(_CHOSEN.items()))
     info["packed_weights"] = dict(sorted(_PACKED_AS.items()))
   return info
+
+
+def thread_stats(reset: bool = False) -> dict[str, float]:
+  """How the kernel's calls in this process split their weight panels between the calling
+  thread and helpers from XLA's intra-op pool (one per other pool thread), since the last
+  reset (reset=True zeroes the counters after reading): split_calls; helpers_per_call;
+  helper_share, the fraction of the panels the helpers multiplied (0.5: an even split with
+  one helper); helper_start_us, the mean delay from a call's start to the start of a
+  helper that found work (the caller works alone meanwhile); helper_idle, the fraction of
+  helpers that started after the work was gone; wait_us, the callers' mean wait for their helpers after their own
+  share; call_us, the split calls' mean duration. Calls below the split's size, or with one
+  thread, are not counted; a helper still running when the counters are read is counted
+  in the next reading."""
+  out = (ctypes.c_double * 8)()
+  _library().spec_decode_thread_stats(out, int(bool(reset)))
+  calls, panels, helpers, helper_panels, working, start_ns, wait_ns, call_ns = out
+  per = lambda total, n: total / n if n else 0.0
+  return {"split_calls": int(calls), "helpers_per_call": per(helpers, calls),
+          "helper_share": per(helper_panels, panels),
+          "helper_start_us": per(start_ns, working) / 1e3,
+          "helper_idle": per(helpers - working, helpers),
+          "wait_us": per(wait_ns, calls) / 1e3, "call_us": per(call_ns, calls) / 1e3}
 
 
 def read_bandwidth(nbytes: int, *, threads: int = 0, passes: int = 5) -> float:
