@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
-                         paper_tables, peers, reproduce, results_readme, setup_cost, setups,
-                         trees, verify_scaling)
+                         kernel_threads, paper_tables, peers, reproduce, results_readme,
+                         setup_cost, setups, trees, verify_scaling)
 from spec_decode import decoding, experiment, theory
 from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
@@ -596,6 +596,22 @@ def test_setup_cost_ende(out):
   assert t5.SKIP_PADDING_ROWS
   with pytest.raises(SystemExit):
     setup_cost.main(["--tasks", "wmt", "--results_dir", out["results"]])
+
+
+@pytest.mark.slow
+def test_kernel_threads(out):
+  """The kernel's split counters over a decode step and the set-up of the big EnDe target."""
+  from spec_decode.kernels import cpu_matmul
+  if not cpu_matmul.available():
+    pytest.skip(cpu_matmul.unavailable_reason())
+  paths = kernel_threads.main(["--tokens", "1", "--num_examples", "2", "--repeats", "1",
+                               "--results_dir", out["results"]])
+  step, set_up = _json(paths["json"])["rows"]
+  assert step["what"] == "decode step" and set_up["what"].startswith("set-up")
+  for row in (step, set_up):
+    assert row["ms"] > 0 and 0 <= row["helper_share"] <= 1 and 0 <= row["helper_idle"] <= 1
+  with pytest.raises(SystemExit):
+    kernel_threads.main(["--repeats", "0", "--results_dir", out["results"]])
 
 
 @pytest.mark.slow
