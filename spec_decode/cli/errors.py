@@ -174,6 +174,21 @@ def interrupts_not_swallowed(delay_s: float = 0.05):
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 
+@contextlib.contextmanager
+def one_line_on_interrupt(line: Callable[[], str]):
+  """A command's Ctrl-C (also one Python would swallow, `interrupts_not_swallowed`) ends it
+  with line() on stderr and exit code EXIT_INTERRUPTED, at once (`exit_now`); with
+  --verbose the KeyboardInterrupt propagates with its traceback."""
+  try:
+    with interrupts_not_swallowed():
+      yield
+  except KeyboardInterrupt:
+    if _verbose():
+      raise
+    print(f"\n{line()}", file=sys.stderr, flush=True)
+    exit_now(EXIT_INTERRUPTED)
+
+
 def exit_now(code: int) -> None:
   """Ends the process with `code` at once, after flushing stdout and stderr, without the
   interpreter's shutdown: after a Ctrl-C during compilation, XLA's compiler threads are

@@ -51,7 +51,6 @@ import getpass
 import hashlib
 import os
 import stat
-import sys
 import tempfile
 from typing import Sequence
 
@@ -226,9 +225,6 @@ def format_summary(summary: dict) -> str:
   return "\n".join(lines)
 
 
-EXIT_INTERRUPTED = errors.EXIT_INTERRUPTED  # 130, as a shell reports a process ended by SIGINT
-
-
 def interrupted_line(output_dir: str) -> str:
   """What a Ctrl-C leaves: how many examples are saved where, and how to go on."""
   return saved_line(output_dir, "interrupted")
@@ -277,14 +273,9 @@ def main(argv: Sequence[str]) -> None:
         lambda lost: host_lost_line(output_dir, lost),
         coordinator_lost=saved_parts(output_dir, distributed.describe_lost([0]), _RERUN_ALL))
     try:
-      with errors.interrupts_not_swallowed():
+      with errors.one_line_on_interrupt(lambda: interrupted_line(output_dir)):
         summary = run(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.output_dir,
                       show_progress=FLAGS.progress and jax.process_index() == 0)
-    except KeyboardInterrupt:
-      if FLAGS.verbose:
-        raise
-      print(f"\n{interrupted_line(output_dir)}", file=sys.stderr, flush=True)
-      errors.exit_now(EXIT_INTERRUPTED)
     except Exception as error:  # a failed collective: another process is gone
       lost = distributed.peer_lost(error)
       if lost is None:

@@ -12,7 +12,6 @@ saved steps are, and exit code 130.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Sequence
 
 from absl import app, flags
@@ -45,14 +44,8 @@ def main(argv: Sequence[str]) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     errors.quiet_logging()
     cfg = parse_config(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
-    try:
-      with errors.interrupts_not_swallowed():
-        cfg.run(report=lambda s: print(s, flush=True))
-    except KeyboardInterrupt:
-      if flags.FLAGS.verbose:
-        raise
-      print(f"\n{interrupted_line(cfg)}", file=sys.stderr, flush=True)
-      errors.exit_now(errors.EXIT_INTERRUPTED)
+    with errors.one_line_on_interrupt(lambda: interrupted_line(cfg)):
+      cfg.run(report=lambda s: print(s, flush=True))
 
 
 def interrupted_line(cfg) -> str:

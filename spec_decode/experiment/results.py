@@ -200,7 +200,6 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, CONFIG)
   config = json.loads(json.dumps(dict(config), sort_keys=True))
-  predictions = os.path.join(output_dir, PREDICTIONS)
   start_over = ("what was decoded or chosen there cannot be resumed under unknown settings: "
                 "use a new output_dir, or empty this one to start over")
   if os.path.exists(path):
@@ -218,6 +217,7 @@ def check_config(output_dir: str, config: Mapping[str, Any], *,
   else:
     # Rows or a gamma choice without the settings that made them (config.json deleted):
     # resuming would mix them with whatever settings this run has, and the results too.
+    predictions = os.path.join(output_dir, PREDICTIONS)
     made = [name for name, there in (
         (PREDICTIONS, os.path.exists(predictions) and os.path.getsize(predictions) > 0),
         (GAMMA, os.path.exists(os.path.join(output_dir, GAMMA)))) if there]
