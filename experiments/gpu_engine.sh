@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The engine at T5-XXL shapes on one lent GPU (issue 35), in one call of the device tool:
 #
-#   bash experiments/gpu_engine.sh COMMIT
+#   bash experiments/gpu_engine.sh COMMIT [engine|variants]
+#
+# engine (the default plan): the measurements below. variants: what a step launches and
+# what XLA's options change (experiments/step_variants: the drafts' and the XXL target's
+# steps with CUDA graphs off, on for loops too, cuBLAS-only GEMMs), then the XXL target
+# end to end with a copy of itself as the draft (alpha about 1 at t=0: the engine's
+# model-work bound with every proposal accepted).
 #
 # run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
 # here needs gin or seqio). COMMIT names the checkout in the result files: the git history
@@ -15,6 +21,7 @@
 # `python -m experiments.gpu_report --dir DIR` turns the unpacked results into DIR/README.md.
 set -u
 COMMIT=${1:-unknown}
+PLAN=${2:-engine}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/gpu_results
 mkdir -p "$OUT" "$RES"
@@ -43,6 +50,25 @@ step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $RES/NAME.log, prints
   $PY -c "import jax, flax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, \
 'numpy', numpy.__version__, jax.devices())"
 } 2>&1 | tee "$RES/env.log"
+
+if [ "$PLAN" = variants ]; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # two XXL copies (44 GB) and the copy test
+  V=(--dtype bfloat16 --vocab_size 32128 --input_length 512 --position 64 --repeats 5)
+  step draft_variants 150 $PY -m experiments.step_variants "${V[@]}" \
+    --models t5_1_1_small,t5_1_1_base --tokens 1 --name step_variants_drafts \
+    --variants project,no_command_buffers,loop_command_buffers,unrolled_loop_command_buffers,no_triton_gemm \
+    --results_dir "$RES"
+  step large_step 45 $PY -m experiments.step_variants "${V[@]}" --models t5_1_1_large \
+    --tokens 1 --variants project --name step_variants_large --results_dir "$RES"
+  step xxl_variants 110 $PY -m experiments.step_variants "${V[@]}" --models t5_1_1_xxl \
+    --tokens 1,8 --variants project,loop_command_buffers --name step_variants_xxl \
+    --results_dir "$RES"
+  step xxl_copy_b1 150 $PY -m experiments.benchmark "${XXL[@]}" --draft t5_1_1_xxl \
+    --draft_seed 0 --batch_size 1 --gammas 3 --num_examples 2 --e2e_repeats 1 --repeats 3 \
+    --inner 2 --name gpu_xxl_copy_b1 --results_dir "$RES"
+  date -u +%FT%TZ
+  exit 0
+fi
 
 # 1. Batch 1, the small draft: T_p against the memory roofline, T_q, c, T_verify(N)/T_p for
 #    N = 2..11, end to end and the engine's model-work bound.

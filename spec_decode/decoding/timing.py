@@ -122,7 +122,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   pulls c towards 1). With a mesh, params are laid out by `rules` (default
   T5X's), the batch over `data` and the cache by its logical axes, the way
   `decoding.speculative` lays them out. The function's `.steps` is `steps`;
-  `.state` holds params, tokens and the current cache (the cache is donated).
+  `.state` holds params, tokens and the current cache (the cache is donated);
+  `.compiled_text()` the loop's optimized HLO.
   compiler_options: as `decoding.run`'s (None: the backend's defaults, which
   the decoding loops use too), unsharded runs only. Unsharded, the encoder tokens are
   trimmed of all-padding columns as `decoding.run` trims them (cross-attention then reads
@@ -167,6 +168,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
 
   call.state = state
   call.steps = steps
+  # The optimized HLO of the loop as compiled (for counting what a step launches).
+  call.compiled_text = lambda: run.lower(params, state["cache"], tokens, trips).compile().as_text()
   return call
 
 
