@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The engine at T5-XXL shapes on one lent GPU (issue 35), in one call of the device tool:
 #
-#   bash experiments/gpu_engine.sh COMMIT [engine|variants]
+#   bash experiments/gpu_engine.sh COMMIT [engine|variants|one_row]
 #
 # engine (the default plan): the measurements below. variants: what a step launches and
 # what XLA's options change (experiments/step_variants: the drafts' and the XXL target's
 # steps with CUDA graphs off, on for loops too, cuBLAS-only GEMMs), then the XXL target
 # end to end with a copy of itself as the draft (alpha about 1 at t=0: the engine's
-# model-work bound with every proposal accepted).
+# model-work bound with every proposal accepted). one_row: one-row products stacked to two
+# rows (`models.t5.ONE_ROW_AS_TWO`, the default on GPUs) against XLA's one-row lowering:
+# the steps of the drafts and the XXL target, then the XXL / small benchmark before
+# (one_row_as_one) and after.
 #
 # run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
 # here needs gin or seqio). COMMIT names the checkout in the result files: the git history
@@ -50,6 +53,23 @@ step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $RES/NAME.log, prints
   $PY -c "import jax, flax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, \
 'numpy', numpy.__version__, jax.devices())"
 } 2>&1 | tee "$RES/env.log"
+
+if [ "$PLAN" = one_row ]; then
+  V=(--dtype bfloat16 --vocab_size 32128 --input_length 512 --position 64 --repeats 5)
+  step one_row_drafts 120 $PY -m experiments.step_variants "${V[@]}" \
+    --models t5_1_1_small,t5_1_1_base --tokens 1,5 --variants one_row_as_one,project \
+    --name step_one_row_drafts --results_dir "$RES"
+  step one_row_xxl 110 $PY -m experiments.step_variants "${V[@]}" --models t5_1_1_xxl \
+    --tokens 1,8 --variants one_row_as_one,project --name step_one_row_xxl --results_dir "$RES"
+  B=("${XXL[@]}" --draft t5_1_1_small --batch_size 1 --gammas 3,5 --num_examples 2
+     --e2e_repeats 2 --repeats 3 --inner 2 --results_dir "$RES")
+  step xxl_small_before 120 $PY -c "import sys; from spec_decode.models import t5; \
+t5.ONE_ROW_AS_TWO = False; from experiments import benchmark; benchmark.main(sys.argv[1:])" \
+    "${B[@]}" --name gpu_xxl_small_b1_one_row_as_one
+  step xxl_small_after 120 $PY -m experiments.benchmark "${B[@]}" --name gpu_xxl_small_b1
+  date -u +%FT%TZ
+  exit 0
+fi
 
 if [ "$PLAN" = variants ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # two XXL copies (44 GB) and the copy test

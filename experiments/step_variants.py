@@ -52,6 +52,15 @@ VARIANTS: Mapping[str, Mapping[str, Any]] = {
     "small_command_buffers": {"xla_gpu_graph_min_graph_size": 1},
 }
 
+# Named switches of the model code (`spec_decode.models.t5` attributes read when a function
+# is traced); a variant may name these too. The default of each is the project's.
+SWITCHES: Mapping[str, tuple[str, Any]] = {
+    # one-row products (a one-token step at batch 1) as XLA lowers them
+    "one_row_as_one": ("ONE_ROW_AS_TWO", False),
+    # ... or stacked to two rows, a GEMM (the project's default on GPU backends)
+    "one_row_as_two": ("ONE_ROW_AS_TWO", True),
+}
+
 # Opcodes that launch nothing of their own on the device.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                    "after-all", "opt-barrier", "partition-id", "replica-id", "domain"})
@@ -64,10 +73,34 @@ def variant_options(name: str) -> dict[str, Any]:
   """The XLA options of a variant name ('a+b' merges a's and b's)."""
   out: dict[str, Any] = {}
   for part in name.split("+"):
-    if part not in VARIANTS:
-      raise ValueError(f"unknown variant {part!r}; known: {', '.join(VARIANTS)}")
-    out.update(VARIANTS[part])
+    if part not in VARIANTS and part not in SWITCHES:
+      raise ValueError(f"unknown variant {part!r}; known: {', '.join([*VARIANTS, *SWITCHES])}")
+    out.update(VARIANTS.get(part, {}))
   return out
+
+
+def variant_switches(name: str) -> dict[str, Any]:
+  """The model-code switches a variant name sets (attribute of `models.t5` -> value)."""
+  return dict(SWITCHES[p] for p in name.split("+") if p in SWITCHES)
+
+
+def _set_switches(switches: Mapping[str, Any]) -> None:
+  """Sets every known switch (to its project default where `switches` does not name it);
+  compiled programs are dropped when that changes anything, so the next call traces anew."""
+  import jax
+
+  from spec_decode.models import t5
+  changed = False
+  for attr in {a for a, _ in SWITCHES.values()}:
+    value = switches.get(attr, _DEFAULTS.setdefault(attr, getattr(t5, attr)))
+    if getattr(t5, attr) != value:
+      setattr(t5, attr, value)
+      changed = True
+  if changed:
+    jax.clear_caches()
+
+
+_DEFAULTS: dict[str, Any] = {}
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -127,6 +160,7 @@ def measure(args) -> list[dict[str, Any]]:
     length = args.position + max(args.tokens) + 1
     for i, variant in enumerate(order):
       options = {**project, **variant_options(variant)}
+      _set_switches(variant_switches(variant))
       row = {"model": spec.label, "params": n_params, "batch": args.batch_size,
              "variant": variant + (" (again)" if i == len(args.variants) else ""),
              "options": options}
@@ -154,6 +188,7 @@ def measure(args) -> list[dict[str, Any]]:
             f"{launches['custom_calls']} library calls), {row['us_per_launch']:.2f} us each",
             flush=True)
     del params, models
+  _set_switches({})
   return rows
 
 
@@ -165,7 +200,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--vocab_size", type=int, default=None, help="vocabulary of preset models")
   p.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16")
   p.add_argument("--variants", default="project,no_command_buffers,loop_command_buffers,"
-                 "no_triton_gemm", help=f"comma list of {', '.join(VARIANTS)} ('+' joins)")
+                 "no_triton_gemm",
+                 help=f"comma list of {', '.join([*VARIANTS, *SWITCHES])} ('+' joins)")
   p.add_argument("--tokens", default="1", help="N values (1 is added)")
   p.add_argument("--batch_size", type=int, default=1)
   p.add_argument("--input_length", type=int, default=512)
@@ -207,7 +243,7 @@ def run(args, meta) -> harness.Output:
     table.append(dict(r, t1=t.get("1"), **{f"r{n}": t[str(n)] / t["1"] for n in args.tokens
                                            if n > 1 and t},
                       **(r.get("launches") or {})))
-  options = "; ".join(f"{v}: {variant_options(v) or 'the project defaults'}"
+  options = "; ".join(f"{v}: {variant_options(v) or variant_switches(v) or 'the project defaults'}"
                       for v in args.variants)
   notes = [f"random-weight models ({args.dtype or 'float32'}), batch {args.batch_size}, "
            f"encoder input {args.input_length} tokens, cache filled to {args.position}; "

@@ -279,6 +279,19 @@ def _unpack_rows(x_P_, index_P, B: int, S: int):
 SKIP_PADDING_ROWS = True
 
 
+# Whether a product of a single row (a one-token decode step at batch 1) is computed as
+# one of two equal rows. XLA's GPU compiler rewrites a product with one row as a multiply
+# and a reduction: two kernels per projection, the weight-sized product written to memory
+# and read back, where two rows stay one GEMM kernel. Measured on an H100
+# (experiments/step_variants): a T5.1.1-small step launches 209 kernels at one row, 181 at
+# four. None: on GPU backends only; read when a function is traced.
+ONE_ROW_AS_TWO: bool | None = None
+
+
+def _one_row_as_two() -> bool:
+  return jax.default_backend() == "gpu" if ONE_ROW_AS_TWO is None else ONE_ROW_AS_TWO
+
+
 def _real_rows(mask_BS, packed_index=None):
   """How many leading rows of an encoder's products are not all padding (int32 scalar):
   packed, the real tokens (`base.packing_index` puts them first, its padding after);
@@ -421,7 +434,11 @@ class T5(base.ParamSpecs):
       return cpu_matmul.matmul(x_BTI, kernel_IO, rows=rows)
     if isinstance(x_BTI, _Normed):
       x_BTI = x_BTI.value()
-    return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO.astype(self.config.dtype))
+    kernel_IO = kernel_IO.astype(self.config.dtype)
+    if x_BTI.shape[:2] == (1, 1) and _one_row_as_two():  # a GEMM, not a multiply-reduce
+      x_BTI = jnp.concatenate([x_BTI, x_BTI], axis=1)
+      return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO)[:, :1]
+    return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO)
 
   def _project_heads(self, x_BTD, kernel_DK, rows=None):
     c = self.config
