@@ -18,7 +18,7 @@ import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
                          kernel_threads, paper_tables, peers, reproduce, results_readme,
-                         setup_cost, setups, trees, verify_scaling)
+                         setup_cost, setups, step_variants, trees, verify_scaling)
 from spec_decode import decoding, experiment, theory
 from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
@@ -683,6 +683,104 @@ def test_gpu_report_computes_from_the_result_files(tmp_path):
   os.remove(d / "benchmark_gpu_xxl_small_b1.json")
   with pytest.raises(FileNotFoundError, match="b1.json"):
     gpu_report.report(str(d), "cmd")
+
+
+def test_gpu_report_reads_step_variants_and_the_one_row_runs(tmp_path):
+  """On a copy of the shipped H100 results: drafts' T_q from the newest "project" row of
+  the step_variants files, t(8) from the XXL step row when the benchmark did not time
+  gamma 7, the launch table, the one-row before / after and the copy-draft section."""
+  import shutil
+  from experiments import gpu_report
+  src = os.path.join(setups.REPO_ROOT, "experiments", "results", "gpu_h100")
+  d = tmp_path / "gpu"
+  shutil.copytree(src, d, ignore=shutil.ignore_patterns("README.md"))
+  text = open(gpu_report.main(["--dir", str(d)])).read()
+  b1 = _json(d / "benchmark_gpu_xxl_small_b1.json")["summary"]
+  t_p = b1["target_step"]["median"]
+  base = [r for r in _json(d / "step_one_row_drafts.json")["rows"]
+          if r["model"].startswith("t5_1_1_base") and r["variant"] == "project"][0]
+  xxl = [r for r in _json(d / "step_one_row_xxl.json")["rows"] if r["variant"] == "project"][0]
+  rows = {(r[0], r[1], r[2], r[3]): r for r in _rows_of(text.split("## Table 2")[1])}
+  base_row = rows[("ende", "T5-base", "0", "7")]
+  assert base_row[6] == f"{base['t_ms']['1'] / 1e3 / t_p:.3f}"
+  assert base_row[7] == f"{xxl['t_ms']['8'] / xxl['t_ms']['1']:.3f}"  # t(8): the step row
+  launches = _rows_of(text.split("## A step's kernel launches")[1])
+  assert len(launches) == sum(len(_json(p)["rows"]) for p in d.glob("step_*.json"))
+  before_after = {r[0]: r[1:] for r in _rows_of(text.split("## One-row products")[1])}
+  before = _json(d / "benchmark_gpu_xxl_small_b1_one_row_as_one.json")["summary"]
+  assert before_after["c"] == [f"{before['c']:.3f}", f"{b1['c']:.3f}"]
+  copy = _json(d / "benchmark_gpu_xxl_copy_b1.json")["summary"]["e2e"]
+  assert f"measured alpha {copy['alpha']:.3f}" in text
+  for name in ("step_one_row_drafts.json", "step_one_row_xxl.json", "step_variants_drafts.json",
+               "step_variants_large.json", "step_variants_xxl.json",
+               "benchmark_gpu_xxl_copy_b1.json"):
+    os.remove(d / name)
+  text = open(gpu_report.main(["--dir", str(d)])).read()  # the engine plan's files alone
+  assert "## A step's kernel launches" not in text and "known alpha" not in text
+
+
+# ------------------------------------------------------------------ step variants
+_HLO = """HloModule m
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%body.1 (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %g = f32[4]{0} custom-call(%f), custom_call_target="__cublas$gemm"
+  %c = f32[4]{0} copy(%g)
+  %b = f32[4]{0} bitcast(%c)
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %b)
+}
+
+%cond.1 (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[4]{0}) tuple(%z, %x)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%cond.1, body=%body.1
+  ROOT %o = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_step_variants_counts_the_loop_bodys_launches():
+  assert step_variants.loop_launches(_HLO) == {"fusions": 1, "custom_calls": 1, "other": 1,
+                                               "total": 3}
+  assert step_variants.computations(_HLO)["fused_a"] == ["parameter", "negate"]
+  with pytest.raises(ValueError, match="no while loop"):
+    step_variants.loop_launches(_HLO.replace("body=%body.1", ""))
+  assert step_variants.variant_options("no_command_buffers+no_triton_gemm") == {
+      "xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
+  assert step_variants.variant_switches("one_row_as_two+project") == {"ONE_ROW_AS_TWO": True}
+  with pytest.raises(ValueError, match="unknown variant 'fast'"):
+    step_variants.variant_options("fast")
+
+
+def test_step_variants_tiny(out):
+  """Two variants on a tiny model: each row timed and counted, the first repeated, the
+  model switch back at its default after the run."""
+  from spec_decode.models import t5
+  paths = step_variants.main(["--models", "t5_1_1_tiny", "--vocab_size", "64",
+                              "--input_length", "16", "--position", "8", "--tokens", "3",
+                              "--repeats", "1", "--variants", "project,one_row_as_two",
+                              "--results_dir", out["results"]])
+  rows = _json(paths["json"])["rows"]
+  assert [r["variant"] for r in rows] == ["project", "one_row_as_two", "project (again)"]
+  for r in rows:
+    assert set(r["t_ms"]) == {"1", "3"} and r["launches"]["total"] > 0
+  assert t5.ONE_ROW_AS_TWO is None
+  with pytest.raises(SystemExit):
+    step_variants.main(["--variants", "fast", "--results_dir", out["results"]])
 
 
 # ------------------------------------------------------------------ time_decodes
