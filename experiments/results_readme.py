@@ -27,10 +27,10 @@ ORDER = ("table_1", "table_2", "table_3", "table_4", "table_5", "ablate_", "batc
 
 # What this CPU-only environment cannot measure, and the command that does.
 NOT_MEASURED = (
-    ("end to end with a T5-base draft (its step alone is in gpu_h200/)",
+    ("end to end with a T5-base draft (its step alone is in gpu_h200/, gpu_h100/)",
      "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_base --dtype bfloat16 "
      "--batch_size 1 --input_length 512 --decode_len 128 --name gpu_xxl_base"),
-    ("the same with a T5-large draft",
+    ("the same with a T5-large draft (its step alone is in gpu_h100/)",
      "python -m experiments.benchmark --target t5_1_1_xxl --draft t5_1_1_large --dtype bfloat16 "
      "--batch_size 1 --input_length 512 --decode_len 128 --name gpu_xxl_large"),
     ("GPU batch scaling of step costs at B = 4, 16, 64 (1, 8, 32: gpu_h200/)",
