@@ -12,8 +12,8 @@ present (the variants and one_row plans), step_*.json (experiments.step_variants
 their kernel launches under XLA option variants; a draft's T_q is its newest "project"
 row), benchmark_gpu_xxl_copy_b1.json (the XXL target drafting for itself: alpha about 1)
 and benchmark_gpu_xxl_small_b1_one_row_as_one.json (the small-draft benchmark before
-`models.t5.ONE_ROW_AS_TWO`). Writes --dir/README.md. Every figure comes from those files; the paper's come from
-`experiments.paper_tables.TABLE4`.
+`models.t5.ONE_ROW_AS_TWO`). Writes --dir/README.md. Every figure comes from those files;
+the paper's come from `experiments.paper_tables.TABLE4`.
 
 Table 2 at the measured costs: for each of the paper's rows (its alpha and gamma), Thm 3.8
 at c = T_q / T_p measured here, and the cost model that also charges the measured verify

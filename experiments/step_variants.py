@@ -177,15 +177,15 @@ def measure(args) -> list[dict[str, Any]]:
         rows.append(row)
         continue
       n_max = max(args.tokens)
-      row.update(t_ms={str(n): t * 1e3 for n, t in times.items()}, launches=launches[1],
+      one = launches[1]
+      row.update(t_ms={str(n): t * 1e3 for n, t in times.items()}, launches=one,
                  launches_max=launches[n_max]["total"],
-                 us_per_launch=times[1] * 1e6 / max(launches[1]["total"], 1))
-      launches = launches[1]
+                 us_per_launch=times[1] * 1e6 / max(one["total"], 1))
       rows.append(row)
       print(f"{spec.label} [{row['variant']}]: T(1) {times[1] * 1e3:.3f} ms, "
             + ", ".join(f"T({n})/T(1) {times[n] / times[1]:.3f}" for n in args.tokens if n > 1)
-            + f"; {launches['total']} launches per step ({launches['fusions']} fusions, "
-            f"{launches['custom_calls']} library calls), {row['us_per_launch']:.2f} us each",
+            + f"; {one['total']} launches per step ({one['fusions']} fusions, "
+            f"{one['custom_calls']} library calls), {row['us_per_launch']:.2f} us each",
             flush=True)
     del params, models
   _set_switches({})
@@ -243,15 +243,16 @@ def run(args, meta) -> harness.Output:
     table.append(dict(r, t1=t.get("1"), **{f"r{n}": t[str(n)] / t["1"] for n in args.tokens
                                            if n > 1 and t},
                       **(r.get("launches") or {})))
-  options = "; ".join(f"{v}: {variant_options(v) or variant_switches(v) or 'the project defaults'}"
-                      for v in args.variants)
+  options = "; ".join(
+      f"{v}: {variant_options(v) or variant_switches(v) or 'the project defaults'}"
+      for v in args.variants)
   notes = [f"random-weight models ({args.dtype or 'float32'}), batch {args.batch_size}, "
            f"encoder input {args.input_length} tokens, cache filled to {args.position}; "
            f"marginal step costs (`timing.step_time`), median of {args.repeats} rounds.",
            f"Variants (XLA options added to the project's): {options}.",
            "Launches: instructions of the compiled step loop's body that run as their own "
-           "kernel or library call, for N = 1 and the largest N (a rough count: one library call can run "
-           "several kernels)."]
+           "kernel or library call, for N = 1 and the largest N (a rough count: one library "
+           "call can run several kernels)."]
   return harness.Output(args.name, "One model step under XLA option variants", cols, table,
                         notes)
 
