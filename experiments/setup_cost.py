@@ -48,13 +48,9 @@ def measure(args) -> list[dict[str, Any]]:
     set_up = lambda p, t: model.init_cache(p, model.encode(p, t), args.decode_len)
     compiled = {}
     for skip in (True, False):
-      t5.SKIP_PADDING_ROWS = skip
-      jax.clear_caches()  # the model's jitted parts trace again with this setting
-      try:
+      with t5.switched(SKIP_PADDING_ROWS=skip):  # compiled with this setting
         compiled[skip] = {t.shape: jax.jit(set_up).lower(params, t).compile()
                           for t in {t.shape: t for t in tokens}.values()}
-      finally:
-        t5.SKIP_PADDING_ROWS = True
     for fns in compiled.values():  # warm-up
       for t in tokens:
         jax.block_until_ready(fns[t.shape](params, t))

@@ -80,27 +80,8 @@ def variant_options(name: str) -> dict[str, Any]:
 
 
 def variant_switches(name: str) -> dict[str, Any]:
-  """The model-code switches a variant name sets (attribute of `models.t5` -> value)."""
+  """The model-code switches a variant name sets (`models.t5.switched` arguments)."""
   return dict(SWITCHES[p] for p in name.split("+") if p in SWITCHES)
-
-
-def _set_switches(switches: Mapping[str, Any]) -> None:
-  """Sets every known switch (to its project default where `switches` does not name it);
-  compiled programs are dropped when that changes anything, so the next call traces anew."""
-  import jax
-
-  from spec_decode.models import t5
-  changed = False
-  for attr in {a for a, _ in SWITCHES.values()}:
-    value = switches.get(attr, _DEFAULTS.setdefault(attr, getattr(t5, attr)))
-    if getattr(t5, attr) != value:
-      setattr(t5, attr, value)
-      changed = True
-  if changed:
-    jax.clear_caches()
-
-
-_DEFAULTS: dict[str, Any] = {}
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -147,6 +128,7 @@ def measure(args) -> list[dict[str, Any]]:
 
   from spec_decode import compile_options
   from spec_decode.decoding import timing
+  from spec_decode.models import t5
   project = dict(compile_options.resolve(None))  # the decoding loops' options here
   rows = []
   order = list(args.variants) + args.variants[:1]  # the first again: the run's spread
@@ -160,17 +142,17 @@ def measure(args) -> list[dict[str, Any]]:
     length = args.position + max(args.tokens) + 1
     for i, variant in enumerate(order):
       options = {**project, **variant_options(variant)}
-      _set_switches(variant_switches(variant))
       row = {"model": spec.label, "params": n_params, "batch": args.batch_size,
              "variant": variant + (" (again)" if i == len(args.variants) else ""),
              "options": options}
+      kw = dict(cache_length=length, position=args.position, compiler_options=options)
       try:
-        kw = dict(cache_length=length, position=args.position, compiler_options=options)
-        times = {n: timing.step_time(model, params, enc, num_tokens=n, repeats=args.repeats,
-                                     **kw) for n in args.tokens}
-        launches = {n: loop_launches(timing.decode_loop(
-            model, params, enc, num_tokens=n, steps=1, **kw).compiled_text())
-            for n in sorted({1, max(args.tokens)})}
+        with t5.switched(**variant_switches(variant)):
+          times = {n: timing.step_time(model, params, enc, num_tokens=n,
+                                       repeats=args.repeats, **kw) for n in args.tokens}
+          launches = {n: loop_launches(timing.decode_loop(
+              model, params, enc, num_tokens=n, steps=1, **kw).compiled_text())
+              for n in sorted({1, max(args.tokens)})}
       except Exception as e:  # an option this jaxlib refuses: say so, go on
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"{spec.label} [{variant}]: {row['error']}", flush=True)
@@ -188,7 +170,6 @@ def measure(args) -> list[dict[str, Any]]:
             f"{one['custom_calls']} library calls), {row['us_per_launch']:.2f} us each",
             flush=True)
     del params, models
-  _set_switches({})
   return rows
 
 

@@ -226,7 +226,7 @@ def test_decode_step_moves_no_whole_cache(params, T):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_row_as_two_rows_is_the_same_step(monkeypatch, dtype):
+def test_one_row_as_two_rows_is_the_same_step(dtype):
   """A one-token step at batch 1 with its products stacked to two rows (the GPU default,
   `t5.ONE_ROW_AS_TWO`) gives the one-row step's logits and cache; it is off on CPU."""
   assert not t5._one_row_as_two() and jax.default_backend() == "cpu"
@@ -235,21 +235,32 @@ def test_one_row_as_two_rows_is_the_same_step(monkeypatch, dtype):
   enc, dec = (x[:1] for x in _inputs(model.config.vocab_size))
   steps = {}
   for two in (False, True):
-    monkeypatch.setattr(t5, "ONE_ROW_AS_TWO", two)
-    jax.clear_caches()  # the switch is read at trace time
-    step = jax.jit(model.decode)
-    cache = model.init_cache(params, model.encode(params, enc), 8)
-    logits = []
-    for t in range(4):
-      out = step(params, cache, dec[:, t:t + 1])
-      logits.append(out.logits)
-      cache = out.cache
-    steps[two] = (np.concatenate(logits, axis=1), cache)
-    text = step.lower(params, cache, dec[:, :1]).as_text()
+    with t5.switched(ONE_ROW_AS_TWO=two):  # read at trace time: traced anew inside
+      step = jax.jit(model.decode)
+      cache = model.init_cache(params, model.encode(params, enc), 8)
+      logits = []
+      for t in range(4):
+        out = step(params, cache, dec[:, t:t + 1])
+        logits.append(out.logits)
+        cache = out.cache
+      steps[two] = (np.concatenate(logits, axis=1), cache)
+      text = step.lower(params, cache, dec[:, :1]).as_text()
     first_product = text.split("dot_general")[1].split("->")[0]  # its operand types
     assert ("(tensor<1x2x" in first_product) == two
+  assert t5.ONE_ROW_AS_TWO is None  # restored after the block
   np.testing.assert_allclose(steps[True][0], steps[False][0], atol=1e-6, rtol=0)
   for a, b in zip(jax.tree_util.tree_leaves(steps[True][1]),
                   jax.tree_util.tree_leaves(steps[False][1])):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                atol=1e-6, rtol=0)
+
+
+def test_switched_refuses_an_unknown_switch_and_restores():
+  with pytest.raises(ValueError, match="unknown t5 switches"):
+    with t5.switched(SKIP_PADDING=False):
+      pass
+  with pytest.raises(RuntimeError):
+    with t5.switched(SKIP_PADDING_ROWS=False):
+      assert t5.SKIP_PADDING_ROWS is False
+      raise RuntimeError("inside")
+  assert t5.SKIP_PADDING_ROWS is True

@@ -16,6 +16,7 @@ Hugging Face parity test checks that path against an independent implementation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -290,6 +291,32 @@ ONE_ROW_AS_TWO: bool | None = None
 
 def _one_row_as_two() -> bool:
   return jax.default_backend() == "gpu" if ONE_ROW_AS_TWO is None else ONE_ROW_AS_TWO
+
+
+_SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO")
+
+
+@contextlib.contextmanager
+def switched(**values):
+  """Sets trace-time switches of this module (SKIP_PADDING_ROWS, ONE_ROW_AS_TWO) inside the
+  block, for A/B measurements. When that changes one, compiled programs are dropped
+  (`jax.clear_caches`) on entry and again on exit, so functions trace with the setting in
+  force; programs compiled inside the block (`jax.jit(f).lower(...).compile()`) keep it."""
+  unknown = sorted(set(values) - set(_SWITCHES))
+  if unknown:
+    raise ValueError(f"unknown t5 switches {unknown}; known: {list(_SWITCHES)}")
+  module = globals()
+  old = {name: module[name] for name in values}
+  changed = any(old[name] != value for name, value in values.items())
+  if changed:
+    module.update(values)
+    jax.clear_caches()
+  try:
+    yield
+  finally:
+    if changed:
+      module.update(old)
+      jax.clear_caches()
 
 
 def _real_rows(mask_BS, packed_index=None):
