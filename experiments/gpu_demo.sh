@@ -30,7 +30,7 @@ COMMIT=${1:-unknown}
 PLAN=${2:-run}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/gpu_demo_results
-STASH=/tmp/spec_decode_stash
+STASH=${SPEC_DECODE_STASH:-/tmp/spec_decode_stash}
 PY=${PYTHON:-python3}
 export SPEC_DECODE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
 

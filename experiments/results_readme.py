@@ -107,8 +107,8 @@ def build(results_dir: str) -> str:
     where = os.path.relpath(report, harness.REPO_ROOT)
     with open(report, encoding="utf-8") as f:
       title = f.readline().lstrip("# ").strip()
-    parts.append(f"### {title}\n\nSee `{where}` (`experiments/gpu_engine.sh` on a lent GPU, "
-                 "`python -m experiments.gpu_report` from its results).\n")
+    parts.append(f"### {title}\n\nSee `{where}` (measured on a lent GPU; that file names the "
+                 "commands and device calls that made it).\n")
   parts.append(_not_measured())
   return "\n".join(parts)
 

@@ -814,3 +814,22 @@ def test_time_decodes_warms_up_again_after_a_release_and_refuses_programs_that_d
                        f"compiled programs do not fit together: the process dropped them {when}"):
       harness.time_decodes({"a": decoder("a", ()), "b": decoder("b", drops_at)}, batches,
                            repeats=2)
+
+
+def test_gpu_demo_script_carries_the_target_in_two_calls(tmp_path):
+  """experiments/gpu_demo.sh: the stash call keeps the first half where the run call looks
+  for it, and a run call on a machine without it (given back in between) stops at once with
+  exit 3 and says why, before installing or decoding anything."""
+  import subprocess
+  script = os.path.join(setups.REPO_ROOT, "experiments", "gpu_demo.sh")
+  half = tmp_path / "tree" / ".xfer1" / "ende_target_big"
+  half.mkdir(parents=True)
+  (half / "checkpoint").write_text("first half")
+  env = dict(os.environ, OUT=str(tmp_path / "out"), SPEC_DECODE_STASH=str(tmp_path / "stash"))
+  run = lambda plan: subprocess.run(["bash", script, "abc123", plan], cwd=tmp_path / "tree",
+                                    env=env, capture_output=True, text=True, timeout=60)
+  missing = run("run")
+  assert missing.returncode == 3 and "given back in between" in missing.stdout
+  assert not (tmp_path / "tree" / "demo_models").exists()
+  assert run("stash").returncode == 0
+  assert (tmp_path / "stash" / "ende_target_big" / "checkpoint").read_text() == "first half"
