@@ -101,19 +101,42 @@ def data_parallel_rules(rules: Rules | None = None) -> Rules:
 
 
 # ------------------------------------------------------------------ meshes
+def _mesh_items(spec: str | Mapping[str, int]) -> list[tuple[str, Any]]:
+  """'data=2,model=4' -> [('data', 2), ('model', 4)], the syntax checked."""
+  if isinstance(spec, Mapping):
+    return [(str(k), v) for k, v in spec.items()]
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(f"mesh spec must be a string like 'data=2,model=4', got {spec!r}")
+  items = []
+  for part in spec.split(","):
+    m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*", part)
+    if not m:
+      raise ValueError(f"bad mesh spec entry {part!r} in {spec!r}; expected name=size")
+    items.append((m.group(1), int(m.group(2))))
+  return items
+
+
+def rule_mesh_axes(rules: Rules) -> set[str]:
+  """The mesh axis names that some rule shards over."""
+  return {a for _, axes in rules if axes is not None
+          for a in ((axes,) if isinstance(axes, str) else axes)}
+
+
+def check_mesh_axes(spec: str | Mapping[str, int], rules: Rules) -> None:
+  """Refuses a mesh axis that no rule names (a typo such as 'modle=8'): every array would
+  be replicated along it, its devices all doing the same work, and nothing would say so."""
+  known = rule_mesh_axes(rules)
+  unknown = [n for n, _ in _mesh_items(spec) if n not in known]
+  if unknown:
+    raise ValueError(f"mesh spec {spec!r}: no logical axis rule shards over "
+                     f"{', '.join(map(repr, unknown))} (the rules use {sorted(known)}); "
+                     f"rename the axis, or add a rule that names it "
+                     f"(ExperimentConfig.logical_axis_rules)")
+
+
 def parse_mesh_spec(spec: str | Mapping[str, int], num_devices: int) -> dict[str, int]:
   """'data=2,model=4' -> {'data': 2, 'model': 4}. One size may be -1 (the rest)."""
-  if isinstance(spec, Mapping):
-    items = [(str(k), v) for k, v in spec.items()]
-  else:
-    if not isinstance(spec, str) or not spec.strip():
-      raise ValueError(f"mesh spec must be a string like 'data=2,model=4', got {spec!r}")
-    items = []
-    for part in spec.split(","):
-      m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*", part)
-      if not m:
-        raise ValueError(f"bad mesh spec entry {part!r} in {spec!r}; expected name=size")
-      items.append((m.group(1), int(m.group(2))))
+  items = _mesh_items(spec)
   names = [n for n, _ in items]
   if len(set(names)) != len(names):
     raise ValueError(f"mesh spec {spec!r} repeats an axis name")

@@ -745,3 +745,33 @@ def test_refill_settings_are_checked():
     make(refill_chunk=2, mesh="data=1")
   with pytest.raises(ValueError, match="exclude each other"):
     make(refill_chunk=2, baseline=decoding.Autoregressive(compact_batch=True))
+
+
+def test_a_mesh_axis_no_rule_names_is_refused():
+  """'modle=8' (or any axis the logical axis rules never shard over) would replicate every
+  array along it with nothing said; it is refused, naming the axis and the rules' axes. An
+  axis a configured rule names is accepted."""
+  spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
+  make = lambda **kw: experiment.ExperimentConfig(
+      target=spec, draft=None, task="toy_reverse", decoders={}, **kw)
+  with pytest.raises(ValueError, match=r"no logical axis rule shards over 'modle' "
+                                       r"\(the rules use \['data', 'model'\]\)"):
+    make(mesh="data=1,modle=1")
+  make(mesh="data=-1,model=1")
+  make(mesh="data=1,replica=1", logical_axis_rules=(("batch", ("replica", "data")),))
+  with pytest.raises(ValueError, match="bad mesh spec entry"):
+    make(mesh="data:2")
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.5, "x", True])
+def test_seeds_outside_32_bits_are_refused(seed):
+  """PRNGKey keeps 32 bits of a seed (2**32 gives seed 0's key), so a seed outside
+  [0, 2**32) is refused where it is configured rather than silently aliased."""
+  spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
+  with pytest.raises(ValueError, match=r"ExperimentConfig.seed must be an int in \[0, 2\*\*32\)"):
+    experiment.ExperimentConfig(target=spec, draft=None, task="toy_reverse", decoders={},
+                                seed=seed)
+  with pytest.raises(ValueError, match=r"ModelSpec.seed must be an int in \[0, 2\*\*32\)"):
+    model_specs.ModelSpec(preset="t5_1_1_tiny", seed=seed)
+  experiment.ExperimentConfig(target=spec, draft=None, task="toy_reverse", decoders={},
+                              seed=2 ** 32 - 1)

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from spec_decode import configurable, data, decoding, partitioning
-from spec_decode.experiment.model_specs import ModelSpec
+from spec_decode.experiment.model_specs import ModelSpec, check_seed
 
 BASELINE = "autoregressive"
 GAMMA_RULES = ("cost_model", "thm_3_8")
@@ -220,6 +220,9 @@ class ExperimentConfig:
         except ValueError as e:
           raise ValueError(f"decoders[{name!r}] cannot refill its batch (refill_chunk): "
                            f"{e}") from None
+    if self.mesh:
+      partitioning.check_mesh_axes(self.mesh, self.rules)
+    check_seed("ExperimentConfig.seed", self.seed)
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
     for name in ("batch_size", "timing_repeats", "step_timing_repeats"):

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import spec_decode.heads  # noqa: F401  (every head network registers its checkpoint kind)
 from spec_decode import configurable
@@ -28,6 +29,18 @@ from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.kernels import cpu_matmul
 from spec_decode.models import offload, t5
 from spec_decode.paths import resolve_checkpoint
+
+
+SEED_LIMIT = 2 ** 32
+
+
+def check_seed(name: str, seed) -> None:
+  """A PRNG seed must be an int in [0, 2**32): `jax.random.PRNGKey` keeps 32 bits of it
+  (without jax_enable_x64), so seeds 2**32 or -1 would silently give another seed's key."""
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) \
+      or not 0 <= seed < SEED_LIMIT:
+    raise ValueError(f"{name} must be an int in [0, 2**32), got {seed!r} (larger or "
+                     f"negative seeds would silently repeat another seed's random stream)")
 
 
 @configurable.register
@@ -82,8 +95,7 @@ class ModelSpec:
       raise ValueError("a t5 ModelSpec needs a checkpoint, a preset or a config")
     if self.preset is not None and self.preset not in t5.PRESETS:
       raise ValueError(f"unknown T5 preset {self.preset!r}; known presets: {sorted(t5.PRESETS)}")
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-      raise ValueError(f"ModelSpec.seed must be an int, got {self.seed!r}")
+    check_seed("ModelSpec.seed", self.seed)
     if self.dtype is not None:
       try:
         dt = jnp.dtype(self.dtype)
