@@ -32,7 +32,7 @@ import shlex
 import sys
 from typing import Any, Sequence
 
-from experiments import paper_tables
+from experiments import harness, paper_tables
 from experiments.harness import fmt
 
 PRESET = {"small": "t5_1_1_small", "base": "t5_1_1_base", "large": "t5_1_1_large"}
@@ -316,4 +316,5 @@ def main(argv: Sequence[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-  main()
+  with harness.cli_errors("experiments.gpu_report"):
+    main()

@@ -517,6 +517,21 @@ class Output:
   figures: Sequence[str] = ()
 
 
+TRACEBACK_ENV = "SPEC_DECODE_TRACEBACK"
+
+
+def cli_errors(module: str):
+  """Run from the command line (`python -m experiments.X`), a driver ends a known error --
+  bad input the user can fix: a ValueError such as a bad --gammas list, a missing file, a
+  corrupt checkpoint, out of memory -- with one line on stderr and exit code 2, as
+  `spec_decode.main` does; SPEC_DECODE_TRACEBACK=1 shows the traceback instead. Called
+  with an argv (tests, notebooks), drivers raise as any function does."""
+  from spec_decode.cli import errors
+  return errors.handle_errors(f"python -m {module}",
+                              verbose=os.environ.get(TRACEBACK_ENV, "") not in ("", "0"),
+                              hint=f"{TRACEBACK_ENV}=1 shows the traceback")
+
+
 def main(module: str, argv: Sequence[str] | None, parse_args: Callable[[Sequence[str]], Any],
          run: Callable[[Any, dict], Output | Sequence[Output]], *,
          private: Sequence[str] = ("results_dir",)) -> dict[str, Any]:
@@ -525,7 +540,10 @@ def main(module: str, argv: Sequence[str] | None, parse_args: Callable[[Sequence
   files. Returns their paths by extension (figures as png_<i>), or {stem: paths} for
   several outputs. private: argument names left out of the recorded settings (where files
   go)."""
-  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv is None:  # the command line: a known error ends in one line (`cli_errors`)
+    with cli_errors(module):
+      return main(module, sys.argv[1:], parse_args, run, private=private)
+  argv = list(argv)
   args = parse_args(argv)
   meta = new_meta(module, argv, **{k: v for k, v in vars(args).items() if k not in private})
   outs = run(args, meta)

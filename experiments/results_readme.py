@@ -129,4 +129,5 @@ def main(argv: Sequence[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-  main()
+  with harness.cli_errors("experiments.results_readme"):
+    main()

@@ -129,9 +129,9 @@ def check_mesh_axes(spec: str | Mapping[str, int], rules: Rules) -> None:
   unknown = [n for n, _ in _mesh_items(spec) if n not in known]
   if unknown:
     raise ValueError(f"mesh spec {spec!r}: no logical axis rule shards over "
-                     f"{', '.join(map(repr, unknown))} (the rules use {sorted(known)}); "
-                     f"rename the axis, or add a rule that names it "
-                     f"(ExperimentConfig.logical_axis_rules)")
+                     f"{', '.join(map(repr, unknown))} (the rules use {sorted(known)}): every "
+                     f"array would be replicated along it; rename the axis, or add a rule "
+                     f"that names it (ExperimentConfig.logical_axis_rules in an experiment)")
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int], num_devices: int) -> dict[str, int]:

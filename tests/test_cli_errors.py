@@ -454,6 +454,16 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
      "training run"),
     ("spec_decode.cli.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.cli.memory: "
      "error: FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
+    ("spec_decode.cli.memory", ["--dtype=int3"], "spec_decode.cli.memory: error: ValueError: "
+     "--dtype must name a floating dtype"),
+    ("spec_decode.cli.memory", ["--mesh=modle=2"], "spec_decode.cli.memory: error: ValueError: "
+     "mesh spec 'modle=2': no logical axis rule shards over 'modle'"),
+    ("experiments.benchmark", ["--gammas=0"], "python -m experiments.benchmark: error: "
+     "ValueError: --gammas must list ints >= 1, got '0' (SPEC_DECODE_TRACEBACK=1 shows"),
+    ("experiments.verify_scaling", ["--models=nope"], "python -m experiments.verify_scaling: "
+     "error: FileNotFoundError: target checkpoint not found"),
+    ("experiments.results_readme", ["--results_dir=/nonexistent"], "python -m "
+     "experiments.results_readme: error: FileNotFoundError: No such file or directory"),
 ])
 @pytest.mark.slow
 def test_other_command_lines_end_known_errors_in_one_line(module, args, match):
@@ -545,3 +555,25 @@ def test_flag_and_environment_errors_are_one_line_exit_2(tmp_path, args, env, ex
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
   assert lines[0].startswith("spec_decode.main: ") and expected in lines[0], lines[0]
+
+
+def test_drivers_end_known_errors_in_one_line_from_the_command_line_only(monkeypatch, capsys):
+  """A driver run as `python -m experiments.X` (argv None) ends a bad argument with one line
+  and exit 2; SPEC_DECODE_TRACEBACK=1 prints the traceback instead (still exit 2); called
+  with an argv, as tests and notebooks do, it raises the error itself."""
+  from experiments import batch_scaling
+  monkeypatch.setattr(sys, "argv", ["batch_scaling", "--batch_sizes", "0"])
+  monkeypatch.delenv("SPEC_DECODE_TRACEBACK", raising=False)
+  with pytest.raises(SystemExit) as e:
+    batch_scaling.main()
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.strip() == ("python -m experiments.batch_scaling: error: ValueError: --batch_sizes "
+                         "must list ints >= 1, got '0' (SPEC_DECODE_TRACEBACK=1 shows the "
+                         "traceback)")
+  monkeypatch.setenv("SPEC_DECODE_TRACEBACK", "1")
+  with pytest.raises(SystemExit):
+    batch_scaling.main()
+  assert "Traceback (most recent call last)" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="--batch_sizes must list ints >= 1"):
+    batch_scaling.main(["--batch_sizes", "0"])

@@ -130,9 +130,10 @@ def backend_unavailable(error: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def handle_errors(program: str, *, verbose: bool | None = None):
+def handle_errors(program: str, *, verbose: bool | None = None,
+                  hint: str = "--verbose shows the traceback"):
   """Turns a known error -- or running out of memory -- into one line on stderr and exit
-  code 2 (SystemExit)."""
+  code 2 (SystemExit). hint: how to see the traceback instead, said at the line's end."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
@@ -142,7 +143,7 @@ def handle_errors(program: str, *, verbose: bool | None = None):
     if verbose if verbose is not None else _verbose():
       traceback.print_exc()
     else:
-      print(f"{program}: error: {line} (--verbose shows the traceback)",
+      print(f"{program}: error: {line} ({hint})",
             file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USAGE) from None
 

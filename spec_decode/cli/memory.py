@@ -59,6 +59,18 @@ def _ensure_devices(needed: int) -> None:
   os.execve(sys.executable, [sys.executable, "-m", "spec_decode.cli.memory", *sys.argv[1:]], env)
 
 
+def _float_dtype(flag: str):
+  text = getattr(flags.FLAGS, flag)
+  try:
+    dtype = jnp.dtype(text)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"--{flag} must name a floating dtype (bfloat16, float16, float32), "
+                     f"got {text!r}")
+  return dtype
+
+
 def main(argv):
   with errors.handle_errors("spec_decode.cli.memory"):
     errors.quiet_logging()
@@ -74,9 +86,11 @@ def _main(argv):
   if any("-1" in m for m in FLAGS.mesh):
     raise ValueError("memory planning needs explicit mesh sizes (no -1)")
   sizes = [partitioning.parse_mesh_spec(m, 1 << 30) for m in FLAGS.mesh]
+  for m in FLAGS.mesh:  # the plans use T5X's standard rules
+    partitioning.check_mesh_axes(m, partitioning.standard_logical_axis_rules())
+  dtype, compile_dtype = _float_dtype("dtype"), _float_dtype("compile_dtype")
   del argv
   _ensure_devices(max(int(np.prod(list(s.values()))) for s in sizes))
-  dtype = jnp.dtype(FLAGS.dtype)
   target = t5.T5Config.preset(FLAGS.target, dtype=dtype)
   draft = None if FLAGS.draft == "none" else t5.T5Config.preset(FLAGS.draft, dtype=dtype)
   plans = []
@@ -85,7 +99,7 @@ def _main(argv):
     for batch in FLAGS.batch:
       plans.append(memory.plan(target, draft, mesh, batch=batch, input_len=FLAGS.input_len,
                         output_len=FLAGS.output_len, gamma=FLAGS.gamma, depth=FLAGS.depth,
-                        compile_dtype=jnp.dtype(FLAGS.compile_dtype),
+                        compile_dtype=compile_dtype,
                         names=(FLAGS.target, FLAGS.draft)))
       print(f"planned mesh {spec} batch {batch}", file=sys.stderr, flush=True)
   _print_report(plans)
