@@ -128,6 +128,22 @@ def test_argument_errors(tiny):
     decoding.autoregressive(model, params, enc, max_decode_len=3, row_ids=[1, 2, 3])
   with pytest.raises(ValueError, match="outside the vocabulary"):
     decoding.autoregressive(model, params, enc + 100, max_decode_len=3)
+  # a seed where a key belongs was a TypeError from inside JAX; missing params a TypeError
+  # from inside the model; an option this jaxlib lacks a raw JaxRuntimeError at compile time
+  for seed in (3, 1.5, np.int32(3)):
+    with pytest.raises(ValueError, match="rng must be a JAX PRNG key, e.g. "):
+      decoding.autoregressive(model, params, enc, max_decode_len=3, rng=seed)
+  for key in (jax.random.PRNGKey(3), jax.random.key(3)):  # both kinds of key are accepted
+    decoding.autoregressive(model, params, enc, max_decode_len=2, rng=key)
+  with pytest.raises(ValueError, match=r"the target model needs its parameters: pass "
+                                       r"target_params= \(got None\)"):
+    decoding.autoregressive(model, None, enc, max_decode_len=3)
+  with pytest.raises(ValueError, match="the draft model needs its parameters"):
+    decoding.speculative(model, params, model, None, enc, gamma=2, max_decode_len=3)
+  with pytest.raises(ValueError, match=r"compiler_options \{'xla_no_such_option': 1\}: this "
+                                       r"jaxlib .* refuses one of them: .*xla_no_such_option"):
+    decoding.run(decoding.Autoregressive(), model, params, enc, max_decode_len=3,
+                 compiler_options={"xla_no_such_option": 1})
 
 
 class TestTrimmedInputs:

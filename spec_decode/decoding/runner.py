@@ -461,6 +461,18 @@ def trim_padding(tokens):
   return tokens if n == tokens.shape[1] else tokens[:, :n]
 
 
+def check_rng(rng) -> None:
+  """Raises ValueError unless `rng` is a JAX PRNG key: a typed key (`jax.random.key`) or raw
+  uint32 key data (`jax.random.PRNGKey`), not a seed (an int would fail deep inside JAX)."""
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                            or (dtype == np.uint32 and getattr(rng, "ndim", 0) >= 1)):
+    return
+  what = f"{type(rng).__name__}" + (f" of dtype {dtype}" if dtype is not None else f" {rng!r}")
+  raise ValueError(f"rng must be a JAX PRNG key, e.g. jax.random.PRNGKey(seed) or "
+                   f"jax.random.key(seed), got {what[:80]}")
+
+
 def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_ids):
   """Validates the public arguments of a decoder; returns normalized values. Concrete
   tokens come back as numpy int32 arrays (`base.validate_tokens`): they are read on the
@@ -476,6 +488,8 @@ def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_id
     if not sampling.greedy:
       raise ValueError("rng is required when sampling with temperature > 0")
     rng = _greedy_key()
+  else:
+    check_rng(rng)
   if row_ids is None:
     row_ids = np.arange(B, dtype=np.int32)  # host array: no eager device op per call
   else:
@@ -513,7 +527,11 @@ def check_params_fit(role: str, model, params) -> None:
   config describes (a model that describes its parameters, `base.ParamSpecs`): params of
   another model (the target's and the draft's swapped, another size's checkpoint) would
   otherwise fail deep inside the jitted loop with a KeyError or a shape error."""
-  if params is None or not isinstance(model, base.ParamSpecs):
+  if not isinstance(model, base.ParamSpecs):
+    return
+  if params is None:
+    if jax.tree.leaves(model.param_shapes()):
+      raise ValueError(f"the {role} model needs its parameters: pass {role}_params= (got None)")
     return
   leaves, treedef = jax.tree.flatten(params)
   if (treedef, [tuple(getattr(x, "shape", ())) for x in leaves]) == _param_layout(model):
@@ -707,9 +725,15 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
     # Weights laid out for this backend's decoding kernels (packed once per tree).
     args = (base.decoding_params(target, target_params),
             base.decoding_params(draft, draft_params), *args[2:])
-    return _unsharded_jit(options)(
-        *args, packed, algorithm=algorithm, target=target, draft=draft,
-        max_decode_len=max_decode_len, sampling=sampling, refill_batch=refill_batch)
+    try:
+      return _unsharded_jit(options)(
+          *args, packed, algorithm=algorithm, target=target, draft=draft,
+          max_decode_len=max_decode_len, sampling=sampling, refill_batch=refill_batch)
+    except jax.errors.JaxRuntimeError as e:
+      if "No such compile option" not in str(e):
+        raise
+      raise ValueError(f"compiler_options {dict(options)}: this jaxlib ({jax.__version__}) "
+                       f"refuses one of them: {str(e).splitlines()[0]}") from None
   _before_compile(algorithm, target, draft, max_decode_len, sampling, encoder_tokens,
                   draft_encoder_tokens, (mesh, rules, draft_rules), mesh.devices.flat)
   fn, in_shardings = sharded(algorithm, target, draft, mesh, batch_shape=encoder_tokens.shape,
