@@ -49,20 +49,9 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 fi
 
-pack() { tar czf "$OUT/gpu_demo.tgz" -C "$RES" . ; }
-
-step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $RES/NAME.log, prints its tail
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name: $* (limit ${limit} s)"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$RES/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name: rc $rc after $((SECONDS - t0)) s"
-  grep -v '^|---' "$RES/$name.log" | grep -E '^\| |speedup|Error|error:|alpha|gamma' \
-    | cut -c1-300 | tail -n 20
-  pack
-  return $rc
-}
+ARCHIVE=gpu_demo.tgz
+STEP_LINES='^\| |speedup|Error|error:|alpha|gamma'
+source "$(dirname "$0")/gpu_steps.sh"
 
 {
   date -u +%FT%TZ

@@ -32,20 +32,9 @@ export SPEC_DECODE_COMMIT=$COMMIT PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 XXL=(--target t5_1_1_xxl --dtype bfloat16 --input_length 512 --decode_len 128 --copy_mib 4096)
 
-pack() { tar czf "$OUT/gpu_results.tgz" -C "$RES" . ; }
-
-step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $RES/NAME.log, prints its tail
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name: $* (limit ${limit} s)"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$RES/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name: rc $rc after $((SECONDS - t0)) s"
-  grep -E '^\[benchmark\]|^t5_1_1|^\| |Error|error:|T_p|T_q|roofline|speedup|model work' \
-    "$RES/$name.log" | grep -v '^|---' | cut -c1-400 | tail -n 24
-  pack
-  return $rc
-}
+ARCHIVE=gpu_results.tgz
+STEP_LINES='^\[benchmark\]|^t5_1_1|^\| |Error|error:|T_p|T_q|roofline|speedup|model work'
+source "$(dirname "$0")/gpu_steps.sh"
 
 {
   date -u +%FT%TZ

@@ -37,10 +37,11 @@ SEED_LIMIT = 2 ** 32
 def check_seed(name: str, seed) -> None:
   """A PRNG seed must be an int in [0, 2**32): `jax.random.PRNGKey` keeps 32 bits of it
   (without jax_enable_x64), so seeds 2**32 or -1 would silently give another seed's key."""
-  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) \
-      or not 0 <= seed < SEED_LIMIT:
-    raise ValueError(f"{name} must be an int in [0, 2**32), got {seed!r} (larger or "
-                     f"negative seeds would silently repeat another seed's random stream)")
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+    raise ValueError(f"{name} must be an int in [0, 2**32), got {seed!r}")
+  if not 0 <= seed < SEED_LIMIT:
+    raise ValueError(f"{name} must be an int in [0, 2**32), got {seed!r} (a larger or "
+                     f"negative seed would silently repeat another seed's random stream)")
 
 
 @configurable.register
