@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine at T5-XXL shapes on one lent GPU (issue 35), in one call of the device tool:
 #
-#   bash experiments/gpu_engine.sh COMMIT [engine|variants|one_row]
+#   bash experiments/gpu_engine.sh COMMIT [engine|variants|one_row|one_row_kinds]
 #
 # engine (the default plan): the measurements below. variants: what a step launches and
 # what XLA's options change (experiments/step_variants: the drafts' and the XXL target's
@@ -10,7 +10,9 @@
 # model-work bound with every proposal accepted). one_row: one-row products stacked to two
 # rows (`models.t5.ONE_ROW_AS_TWO`, the default on GPUs) against XLA's one-row lowering:
 # the steps of the drafts and the XXL target, then the XXL / small benchmark before
-# (one_row_as_one) and after.
+# (one_row_as_one) and after. one_row_kinds: the demo-target-shaped step at batch 1 (the
+# project's stacking, stacking by broadcast, none) and at batch 8, each loop's optimized
+# HLO saved for `experiments.step_variants --kinds`.
 #
 # run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
 # here needs gin or seqio). COMMIT names the checkout in the result files: the git history
@@ -42,6 +44,20 @@ source "$(dirname "$0")/gpu_steps.sh"
   $PY -c "import jax, flax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, \
 'numpy', numpy.__version__, jax.devices())"
 } 2>&1 | tee "$RES/env.log"
+
+if [ "$PLAN" = one_row_kinds ]; then
+  # The kernels a one-row step adds (batch 1 against 8, at the demo target's shape) and
+  # whether stacking by a broadcast removes the concatenation kernels; the saved modules go
+  # to `python -m experiments.step_variants --kinds`.
+  V=(--models t5_1_1_small --dtype bfloat16 --vocab_size 1536 --input_length 32
+     --position 16 --repeats 3 --tokens 1,5 --save_hlo --results_dir "$RES")
+  step kinds_b1 150 $PY -m experiments.step_variants "${V[@]}" --batch_size 1 \
+    --variants project,one_row_as_two_broadcast,one_row_as_one --name step_one_row_kinds_b1
+  step kinds_b8 60 $PY -m experiments.step_variants "${V[@]}" --batch_size 8 \
+    --variants project --name step_one_row_kinds_b8
+  date -u +%FT%TZ
+  exit 0
+fi
 
 if [ "$PLAN" = one_row ]; then
   V=(--dtype bfloat16 --vocab_size 32128 --input_length 512 --position 64 --repeats 5)

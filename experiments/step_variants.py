@@ -20,14 +20,23 @@ join names with '+' to combine them):
 
 The first variant is measured again at the end, so the table shows the run's own
 spread. Options a jaxlib does not accept are reported as such, not measured. Writes
-<results_dir>/step_variants.{md,csv,json}.
+<results_dir>/step_variants.{md,csv,json}; with --save_hlo also each compiled step loop's
+optimized HLO (<name>_<model>_<variant>_n<N>.hlo.gz), which
+
+  python -m experiments.step_variants --kinds A.hlo.gz,B.hlo.gz
+
+tabulates by what each launch does (`launch_kinds`: the fusion's kind and root, the dots,
+reductions, concatenations ... inside it), side by side, to find the kernels one adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import re
+import sys
 from typing import Any, Mapping, Sequence
 
 from experiments import harness
@@ -59,6 +68,8 @@ SWITCHES: Mapping[str, tuple[str, Any]] = {
     "one_row_as_one": ("ONE_ROW_AS_TWO", False),
     # ... or stacked to two rows, a GEMM (the project's default on GPU backends)
     "one_row_as_two": ("ONE_ROW_AS_TWO", True),
+    # ... stacked by a broadcast, which a GEMM fusion may absorb (no concatenation kernel)
+    "one_row_as_two_broadcast": ("ONE_ROW_AS_TWO", "broadcast"),
 }
 
 # Opcodes that launch nothing of their own on the device.
@@ -84,8 +95,9 @@ def variant_switches(name: str) -> dict[str, Any]:
   return dict(SWITCHES[p] for p in name.split("+") if p in SWITCHES)
 
 
-def computations(hlo_text: str) -> dict[str, list[str]]:
-  """Each computation of an HLO module's text: name -> its instructions' opcodes."""
+def computations(hlo_text: str, lines: bool = False) -> dict[str, list[str]]:
+  """Each computation of an HLO module's text: name -> its instructions' opcodes (lines:
+  the instructions' text instead)."""
   out: dict[str, list[str]] = {}
   current = None
   for line in hlo_text.splitlines():
@@ -100,8 +112,16 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
       continue
     m = _INSTRUCTION.match(line)
     if m:
-      out[current].append(m.group(1))
+      out[current].append(line.strip() if lines else m.group(1))
   return out
+
+
+def _loop_body(hlo_text: str, comps: dict[str, list[str]]) -> str:
+  """The largest while-loop body of a compiled module (a decode step loop's step)."""
+  bodies = [b for b in set(_BODY.findall(hlo_text)) if b in comps]
+  if not bodies:
+    raise ValueError("no while loop in the compiled module")
+  return max(bodies, key=lambda b: len(comps[b]))
 
 
 def loop_launches(hlo_text: str) -> dict[str, int]:
@@ -110,15 +130,67 @@ def loop_launches(hlo_text: str) -> dict[str, int]:
   instructions and their total. Instructions inside fusions are not counted: a fusion is
   one kernel."""
   comps = computations(hlo_text)
-  bodies = set(_BODY.findall(hlo_text))
-  if not bodies:
-    raise ValueError("no while loop in the compiled module")
-  body = max((b for b in bodies if b in comps), key=lambda b: len(comps[b]))
-  counts = collections.Counter(op for op in comps[body] if op not in _FREE)
+  counts = collections.Counter(op for op in comps[_loop_body(hlo_text, comps)]
+                               if op not in _FREE)
   fusions, calls = counts.pop("fusion", 0), counts.pop("custom-call", 0)
   other = sum(counts.values())
   return {"fusions": fusions, "custom_calls": calls, "other": other,
           "total": fusions + calls + other}
+
+
+_FUSION = re.compile(r"\bfusion\(.*\),\s*kind=(\w+),\s*calls=%?([\w.\-]+)")
+# What a fused computation holds that says what its kernel does.
+_NOTABLE = ("dot", "reduce", "scatter", "gather", "dynamic-update-slice", "concatenate",
+            "exponential", "sort")
+
+
+def launch_kinds(hlo_text: str) -> collections.Counter:
+  """The launches of the compiled step loop's body (as `loop_launches` counts them) by what
+  they do: 'kind fusion, root OP (the notable ops inside)' for a fusion, the opcode for any
+  other launching instruction. Comparing two modules' kinds shows which kernels one adds."""
+  comps = computations(hlo_text, lines=True)
+  kinds: collections.Counter = collections.Counter()
+  for line in comps[_loop_body(hlo_text, comps)]:
+    op = _INSTRUCTION.match("  " + line).group(1)
+    m = _FUSION.search(line) if op == "fusion" else None
+    if m:
+      fused = comps.get(m.group(2), [])
+      fused_ops = {_INSTRUCTION.match("  " + f).group(1) for f in fused}
+      root = next((_INSTRUCTION.match("  " + f).group(1) for f in fused
+                   if f.startswith("ROOT")), "?")
+      notable = "+".join(o for o in _NOTABLE if o in fused_ops)
+      kinds[f"{m.group(1)} fusion, root {root}" + (f" ({notable})" if notable else "")] += 1
+    elif op not in _FREE:
+      kinds[op] += 1
+  return kinds
+
+
+def text_safe(label: str) -> str:
+  """A model label as a file-name part ('t5_1_1_small (random)' -> 't5_1_1_small_random')."""
+  return re.sub(r"[^\w.\-]+", "_", label).strip("_")
+
+
+def save_hlo(text: str, path: str) -> None:
+  import gzip
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with gzip.open(path, "wt", encoding="utf-8") as f:
+    f.write(text)
+
+
+def kinds_table(paths: Sequence[str]) -> str:
+  """A Markdown table of `launch_kinds` of each compiled module's text file (gzip too)."""
+  import gzip
+  counts = []
+  for path in paths:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+      counts.append(launch_kinds(f.read()))
+  names = sorted(set().union(*counts), key=lambda k: (-max(c[k] for c in counts), k))
+  head = "| launch | " + " | ".join(os.path.basename(p) for p in paths) + " |\n"
+  head += "|---|" + "---|" * len(paths) + "\n"
+  body = "".join(f"| {k} | " + " | ".join(str(c[k]) for c in counts) + " |\n" for k in names)
+  total = "| total | " + " | ".join(str(sum(c.values())) for c in counts) + " |\n"
+  return head + body + total
 
 
 def measure(args) -> list[dict[str, Any]]:
@@ -150,9 +222,14 @@ def measure(args) -> list[dict[str, Any]]:
         with t5.switched(**variant_switches(variant)):
           times = {n: timing.step_time(model, params, enc, num_tokens=n,
                                        repeats=args.repeats, **kw) for n in args.tokens}
-          launches = {n: loop_launches(timing.decode_loop(
-              model, params, enc, num_tokens=n, steps=1, **kw).compiled_text())
-              for n in sorted({1, max(args.tokens)})}
+          launches = {}
+          for n in sorted({1, max(args.tokens)}):
+            text = timing.decode_loop(model, params, enc, num_tokens=n, steps=1,
+                                      **kw).compiled_text()
+            launches[n] = loop_launches(text)
+            if args.save_hlo and i < len(args.variants):
+              save_hlo(text, os.path.join(args.results_dir, f"{args.name}_{text_safe(spec.label)}"
+                                          f"_{variant}_n{n}.hlo.gz"))
       except Exception as e:  # an option this jaxlib refuses: say so, go on
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"{spec.label} [{variant}]: {row['error']}", flush=True)
@@ -190,6 +267,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   p.add_argument("--name", default="step_variants", help="output stem")
+  p.add_argument("--save_hlo", action="store_true",
+                 help="also write each compiled step loop's optimized HLO (gzip)")
   args = p.parse_args(list(argv))
   args.models = [m for m in args.models.split(",") if m]
   args.variants = [v for v in args.variants.split(",") if v]
@@ -238,7 +317,20 @@ def run(args, meta) -> harness.Output:
                         notes)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+def main(argv: Sequence[str] | None = None) -> dict[str, str] | str:
+  """The measurement (`harness.main`), or with --kinds A,B,... only the table of saved
+  modules' launch kinds, printed and returned."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  kinds = [a for a in args if a == "--kinds" or a.startswith("--kinds=")]
+  if kinds:
+    p = argparse.ArgumentParser(prog="python -m experiments.step_variants --kinds")
+    p.add_argument("--kinds", required=True, help="comma list of saved .hlo(.gz) files")
+    paths = [f for f in p.parse_args(args).kinds.split(",") if f]
+    with harness.cli_errors("experiments.step_variants") if argv is None \
+        else contextlib.nullcontext():
+      table = kinds_table(paths)
+    print(table, end="")
+    return table
   return harness.main("experiments.step_variants", argv, parse_args, run)
 
 

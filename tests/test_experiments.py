@@ -764,6 +764,26 @@ def test_step_variants_counts_the_loop_bodys_launches():
   assert step_variants.variant_switches("one_row_as_two+project") == {"ONE_ROW_AS_TWO": True}
   with pytest.raises(ValueError, match="unknown variant 'fast'"):
     step_variants.variant_options("fast")
+  assert step_variants.variant_switches("one_row_as_two_broadcast") == {
+      "ONE_ROW_AS_TWO": "broadcast"}
+
+
+def test_step_variants_sorts_launches_by_kind_and_tabulates_saved_modules(tmp_path, capsys):
+  """launch_kinds: the loop body's launches by what they do (a fusion by kind and root,
+  with the notable ops inside); --kinds tabulates saved modules side by side (gzip too)."""
+  import gzip
+  assert step_variants.launch_kinds(_HLO) == {"kLoop fusion, root negate": 1, "custom-call": 1,
+                                              "copy": 1}
+  concat = _HLO.replace("ROOT %n = f32[4]{0} negate(%p)",
+                        "%n = f32[4]{0} negate(%p)\n  ROOT %q = f32[8]{0} concatenate(%n, %n)")
+  a, b = tmp_path / "a.hlo", tmp_path / "b.hlo.gz"
+  a.write_text(_HLO)
+  with gzip.open(b, "wt") as f:
+    f.write(concat)
+  table = step_variants.main(["--kinds", f"{a},{b}"])
+  assert "| kLoop fusion, root negate | 1 | 0 |" in table
+  assert "| kLoop fusion, root concatenate (concatenate) | 0 | 1 |" in table
+  assert table.endswith("| total | 3 | 3 |\n") and capsys.readouterr().out == table
 
 
 def test_step_variants_tiny(out):
@@ -773,12 +793,18 @@ def test_step_variants_tiny(out):
   paths = step_variants.main(["--models", "t5_1_1_tiny", "--vocab_size", "64",
                               "--input_length", "16", "--position", "8", "--tokens", "3",
                               "--repeats", "1", "--variants", "project,one_row_as_two",
-                              "--results_dir", out["results"]])
+                              "--save_hlo", "--results_dir", out["results"]])
   rows = _json(paths["json"])["rows"]
   assert [r["variant"] for r in rows] == ["project", "one_row_as_two", "project (again)"]
   for r in rows:
     assert set(r["t_ms"]) == {"1", "3"} and r["launches"]["total"] > 0
   assert t5.ONE_ROW_AS_TWO is None
+  saved = sorted(f for f in os.listdir(out["results"]) if f.endswith(".hlo.gz"))
+  assert saved == [f"step_variants_t5_1_1_tiny_random_{v}_n{n}.hlo.gz"
+                   for v in ("one_row_as_two", "project") for n in (1, 3)], saved
+  # the saved modules hold the loops that were counted
+  table = step_variants.kinds_table([os.path.join(out["results"], f) for f in saved[:1]])
+  assert table.endswith(f"| total | {rows[1]['launches']['total']} |\n")
   with pytest.raises(SystemExit):
     step_variants.main(["--variants", "fast", "--results_dir", out["results"]])
 

@@ -234,7 +234,7 @@ def test_one_row_as_two_rows_is_the_same_step(dtype):
   params = model.init(jax.random.PRNGKey(5))
   enc, dec = (x[:1] for x in _inputs(model.config.vocab_size))
   steps = {}
-  for two in (False, True):
+  for two in (False, True, "broadcast"):
     with t5.switched(ONE_ROW_AS_TWO=two):  # read at trace time: traced anew inside
       step = jax.jit(model.decode)
       cache = model.init_cache(params, model.encode(params, enc), 8)
@@ -246,9 +246,12 @@ def test_one_row_as_two_rows_is_the_same_step(dtype):
       steps[two] = (np.concatenate(logits, axis=1), cache)
       text = step.lower(params, cache, dec[:, :1]).as_text()
     first_product = text.split("dot_general")[1].split("->")[0]  # its operand types
-    assert ("(tensor<1x2x" in first_product) == two
+    assert ("(tensor<1x2x" in first_product) == bool(two)
   assert t5.ONE_ROW_AS_TWO is None  # restored after the block
   np.testing.assert_allclose(steps[True][0], steps[False][0], atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(steps["broadcast"][0], steps[True][0])
+  with t5.switched(ONE_ROW_AS_TWO="stack"), pytest.raises(ValueError, match="ONE_ROW_AS_TWO"):
+    model.decode(params, cache, dec[:, :1])
   for a, b in zip(jax.tree_util.tree_leaves(steps[True][1]),
                   jax.tree_util.tree_leaves(steps[False][1])):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

@@ -286,11 +286,21 @@ SKIP_PADDING_ROWS = True
 # and read back, where two rows stay one GEMM kernel. Measured on an H100
 # (experiments/results/gpu_h100): a T5.1.1-small step 209 -> 186 kernels, 0.386 -> 0.349 ms;
 # T5.1.1-base 0.709 -> 0.592 ms. None: on GPU backends only; read when a function is traced.
-ONE_ROW_AS_TWO: bool | None = None
+# The stacking is a concatenation, which XLA runs as a kernel of its own before each
+# product (an H200's T5.1.1-small-shaped step at batch 1: 49 such kernels of 177, against
+# 125 kernels at batch 8; experiments/results/gpu_h200_one_row). "broadcast" stacks by
+# broadcasting instead, which a GEMM fusion may take in as its operand; not yet measured
+# on a GPU (`experiments.step_variants` variant one_row_as_two_broadcast).
+ONE_ROW_AS_TWO: bool | str | None = None
+ONE_ROW_MODES = (False, True, "broadcast")
 
 
-def _one_row_as_two() -> bool:
-  return jax.default_backend() == "gpu" if ONE_ROW_AS_TWO is None else ONE_ROW_AS_TWO
+def _one_row_as_two() -> bool | str:
+  """False, True (stack by concatenation) or "broadcast"."""
+  mode = jax.default_backend() == "gpu" if ONE_ROW_AS_TWO is None else ONE_ROW_AS_TWO
+  if mode not in ONE_ROW_MODES:
+    raise ValueError(f"t5.ONE_ROW_AS_TWO must be None or one of {ONE_ROW_MODES}, got {mode!r}")
+  return mode
 
 
 _SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO")
@@ -462,8 +472,10 @@ class T5(base.ParamSpecs):
     if isinstance(x_BTI, _Normed):
       x_BTI = x_BTI.value()
     kernel_IO = kernel_IO.astype(self.config.dtype)
-    if x_BTI.shape[:2] == (1, 1) and _one_row_as_two():  # a GEMM, not a multiply-reduce
-      x_BTI = jnp.concatenate([x_BTI, x_BTI], axis=1)
+    mode = _one_row_as_two() if x_BTI.shape[:2] == (1, 1) else False
+    if mode:  # a GEMM, not a multiply-reduce
+      x_BTI = (jnp.broadcast_to(x_BTI, (1, 2, x_BTI.shape[2])) if mode == "broadcast"
+               else jnp.concatenate([x_BTI, x_BTI], axis=1))
       return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO)[:, :1]
     return jnp.einsum("BTI,IO->BTO", x_BTI, kernel_IO)
 
