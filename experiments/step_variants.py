@@ -326,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str] | str:
     p = argparse.ArgumentParser(prog="python -m experiments.step_variants --kinds")
     p.add_argument("--kinds", required=True, help="comma list of saved .hlo(.gz) files")
     paths = [f for f in p.parse_args(args).kinds.split(",") if f]
+    if not paths:
+      p.error("--kinds must name at least one saved module")
     with harness.cli_errors("experiments.step_variants") if argv is None \
         else contextlib.nullcontext():
       table = kinds_table(paths)
