@@ -105,6 +105,10 @@ def test_settings_that_would_waste_or_lose_a_run_are_refused_before_training(tmp
   for lr in (0.0, float("inf"), float("nan")):
     with pytest.raises(ValueError, match="finite learning_rate > 0"):
       _cfg(learning_rate=lr)
+  for seed in (-1, 2 ** 32 - 7, "x"):  # PRNGKey(seed + 7) would alias another seed's key
+    with pytest.raises(ValueError, match=r"TrainConfig.seed must be an int in \[0, 2\*\*32 - 7\)"):
+      _cfg(seed=seed)
+  _cfg(seed=2 ** 32 - 8)
   a_file = tmp_path / "file"
   a_file.write_text("x")
   for field in ("export_path", "workdir"):

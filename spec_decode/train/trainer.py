@@ -95,6 +95,11 @@ class RunConfig:
         or self.num_steps < 1:
       raise ValueError(f"{name}.num_steps must be an int >= 1 (0 would export the initial "
                        f"parameters untrained), got {self.num_steps!r}")
+    # PRNGKey keeps 32 bits of a seed, and the evaluation's key is PRNGKey(seed + 7): a seed
+    # outside this range would silently repeat another seed's random stream
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
+        or not 0 <= self.seed < 2 ** 32 - 7:
+      raise ValueError(f"{name}.seed must be an int in [0, 2**32 - 7), got {self.seed!r}")
     if self.warmup_steps < 0 or not 0 < self.learning_rate < float("inf"):
       raise ValueError(f"{name} needs warmup_steps >= 0 and a finite learning_rate > 0, got "
                        f"{self.warmup_steps!r} and {self.learning_rate!r}")
