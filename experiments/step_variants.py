@@ -321,8 +321,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str] | str:
   """The measurement (`harness.main`), or with --kinds A,B,... only the table of saved
   modules' launch kinds, printed and returned."""
   args = list(sys.argv[1:] if argv is None else argv)
-  kinds = [a for a in args if a == "--kinds" or a.startswith("--kinds=")]
-  if kinds:
+  if any(a.split("=")[0] == "--kinds" for a in args):
     p = argparse.ArgumentParser(prog="python -m experiments.step_variants --kinds")
     p.add_argument("--kinds", required=True, help="comma list of saved .hlo(.gz) files")
     paths = [f for f in p.parse_args(args).kinds.split(",") if f]
