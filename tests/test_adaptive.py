@@ -308,7 +308,7 @@ def test_bad_settings(kwargs, match):
 @pytest.mark.parametrize("kwargs", [dict(start=6), dict(min_length=6)])
 def test_settings_beyond_gamma(kwargs):
   with pytest.raises(ValueError, match=r"exceeds the maximum draft length 5"):
-    _long_run(Adaptive(**kwargs), "far", gamma=5, L=4, rows=3)
+    _long_run(Adaptive(**kwargs), "far", gamma=5, L=6, rows=3)
 
 
 def test_gin_builds_the_variants():

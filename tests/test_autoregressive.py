@@ -140,6 +140,12 @@ def test_argument_errors(tiny):
     decoding.autoregressive(model, None, enc, max_decode_len=3)
   with pytest.raises(ValueError, match="the draft model needs its parameters"):
     decoding.speculative(model, params, model, None, enc, gamma=2, max_decode_len=3)
+  # a gamma above max_decode_len ran, sizing the cache and the verify call for tokens no
+  # row may keep (the experiment config refused it, the library did not)
+  with pytest.raises(ValueError, match=r"gamma 4 is larger than max_decode_len 3, the most "
+                                       r"tokens a row decodes: use gamma <= 3"):
+    decoding.speculative(model, params, model, params, enc, gamma=4, max_decode_len=3)
+  decoding.speculative(model, params, model, params, enc, gamma=3, max_decode_len=3)
   with pytest.raises(ValueError, match=r"compiler_options \{'xla_no_such_option': 1\}: this "
                                        r"jaxlib .* refuses one of them: .*xla_no_such_option"):
     decoding.run(decoding.Autoregressive(), model, params, enc, max_decode_len=3,

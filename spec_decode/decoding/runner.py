@@ -666,6 +666,11 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   encoder_tokens, max_decode_len, rng, row_ids = check_inputs(
       target, encoder_tokens, max_decode_len=max_decode_len, sampling=sampling, rng=rng,
       row_ids=row_ids)
+  if is_int(algorithm.gamma) and algorithm.gamma > max_decode_len:
+    # (the cache and the verify call would be sized for tokens no row may ever keep)
+    raise ValueError(f"gamma {algorithm.gamma} is larger than max_decode_len "
+                     f"{max_decode_len}, the most tokens a row decodes: use gamma <= "
+                     f"{max_decode_len}")
   if algorithm.needs_draft:
     if draft is None:
       raise ValueError(f"{type(algorithm).__name__} needs a draft model (draft=...)")
