@@ -140,12 +140,15 @@ def test_argument_errors(tiny):
     decoding.autoregressive(model, None, enc, max_decode_len=3)
   with pytest.raises(ValueError, match="the draft model needs its parameters"):
     decoding.speculative(model, params, model, None, enc, gamma=2, max_decode_len=3)
-  # a gamma above max_decode_len ran, sizing the cache and the verify call for tokens no
-  # row may keep (the experiment config refused it, the library did not)
-  with pytest.raises(ValueError, match=r"gamma 4 is larger than max_decode_len 3, the most "
-                                       r"tokens a row decodes: use gamma <= 3"):
-    decoding.speculative(model, params, model, params, enc, gamma=4, max_decode_len=3)
-  decoding.speculative(model, params, model, params, enc, gamma=3, max_decode_len=3)
+  # a gamma above max_decode_len ran as given, sizing the cache and the verify call for
+  # tokens no row may keep (the experiment config refused it, the library said nothing)
+  with pytest.warns(UserWarning, match=r"gamma 4 is larger than max_decode_len 3, the most "
+                                       r"tokens a row decodes: decoding with gamma 3"):
+    clamped = decoding.speculative(model, params, model, params, enc, gamma=4,
+                                   max_decode_len=3)
+  assert clamped.stats.accepted_at.shape[-1] == 3  # K = 3 per-position counters
+  three = decoding.speculative(model, params, model, params, enc, gamma=3, max_decode_len=3)
+  np.testing.assert_array_equal(clamped.tokens, three.tokens)
   with pytest.raises(ValueError, match=r"compiler_options \{'xla_no_such_option': 1\}: this "
                                        r"jaxlib .* refuses one of them: .*xla_no_such_option"):
     decoding.run(decoding.Autoregressive(), model, params, enc, max_decode_len=3,

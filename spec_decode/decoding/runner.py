@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, ClassVar
 
 import jax
@@ -628,6 +629,25 @@ def _before_compile(algorithm, target, draft, max_decode_len, sampling, tokens, 
       max_decode_len=max_decode_len, devices=devices))
 
 
+def clamp_gamma(algorithm: Algorithm, max_decode_len: int) -> Algorithm:
+  """`algorithm` with its gamma at most max_decode_len, with a warning when that changes it.
+
+  A row never keeps more than max_decode_len tokens, so drafting more per call only sizes
+  the cache and the verify call for tokens that are always cut; the outputs (their
+  distribution) are the same. An algorithm whose gamma cannot be replaced
+  (`dataclasses.replace`) is refused instead.
+  """
+  gamma = algorithm.gamma
+  if not is_int(gamma) or gamma <= max_decode_len:
+    return algorithm
+  text = (f"gamma {gamma} is larger than max_decode_len {max_decode_len}, the most tokens a "
+          f"row decodes")
+  if not dataclasses.is_dataclass(algorithm):
+    raise ValueError(f"{text}: use gamma <= {max_decode_len}")
+  warnings.warn(f"{text}: decoding with gamma {max_decode_len}", stacklevel=3)
+  return dataclasses.replace(algorithm, gamma=int(max_decode_len))
+
+
 def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=None,
         draft_params=None, draft_encoder_tokens=None, max_decode_len: int,
         sampling: Sampling = Sampling(), rng=None, row_ids=None, mesh=None, rules=None,
@@ -666,11 +686,7 @@ def run(algorithm: Algorithm, target, target_params, encoder_tokens, *, draft=No
   encoder_tokens, max_decode_len, rng, row_ids = check_inputs(
       target, encoder_tokens, max_decode_len=max_decode_len, sampling=sampling, rng=rng,
       row_ids=row_ids)
-  if is_int(algorithm.gamma) and algorithm.gamma > max_decode_len:
-    # (the cache and the verify call would be sized for tokens no row may ever keep)
-    raise ValueError(f"gamma {algorithm.gamma} is larger than max_decode_len "
-                     f"{max_decode_len}, the most tokens a row decodes: use gamma <= "
-                     f"{max_decode_len}")
+  algorithm = clamp_gamma(algorithm, max_decode_len)
   if algorithm.needs_draft:
     if draft is None:
       raise ValueError(f"{type(algorithm).__name__} needs a draft model (draft=...)")
