@@ -70,6 +70,10 @@ SWITCHES: Mapping[str, tuple[str, Any]] = {
     "one_row_as_two": ("ONE_ROW_AS_TWO", True),
     # ... stacked by a broadcast, which a GEMM fusion may absorb (no concatenation kernel)
     "one_row_as_two_broadcast": ("ONE_ROW_AS_TWO", "broadcast"),
+    # the decoder's self-attention products as XLA's dots (the default off the CPU) ...
+    "self_attention_dots": ("ROWWISE_SELF_ATTENTION", False),
+    # ... or as summed multiplies (the default on the CPU: no copies of the cache)
+    "self_attention_rowwise": ("ROWWISE_SELF_ATTENTION", True),
 }
 
 # Opcodes that launch nothing of their own on the device.

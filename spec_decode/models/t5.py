@@ -173,7 +173,8 @@ class DecodeCache(base.LengthCache):
   caches where they lie. With positions before heads (T5X's [B, L, N, H]) XLA
   copies every layer's whole K and V cache into that layout on every decode
   call: measured on the 2-core CPU, 3.7 of 33 ms of a 45.6M model's 5-token
-  step at batch 8, plus slower products.
+  step at batch 8, plus slower products. (A one-token step at batch 1 reads them
+  with summed multiplies on the CPU: `ROWWISE_SELF_ATTENTION`.)
   encoder_mask:     [B, S] bool.
   lengths:          [B] int32, tokens already in the cache per row.
   """
@@ -262,6 +263,20 @@ def _attend(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   return jnp.swapaxes(jnp.einsum("BNTL,BNLH->BNTH", weights, v_BNLH), 1, 2)
 
 
+def _attend_rowwise(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
+  """`_attend` with both products as float32 multiplies summed along an axis instead of
+  dots (see ROWWISE_SELF_ATTENTION for why)."""
+  f32 = lambda x: x.astype(_at_least_f32(x.dtype))
+  q_BNTH = jnp.swapaxes(q_BTNH, 1, 2)
+  logits = jnp.sum(f32(q_BNTH)[..., None] * f32(k_BNHL)[:, :, None], axis=3)
+  if bias_BNTL is not None:
+    logits = logits + bias_BNTL
+  logits = jnp.where(mask_BTL[:, None], logits, _NEG_INF)
+  weights = jax.nn.softmax(logits, axis=-1).astype(v_BNLH.dtype)
+  out = jnp.sum(f32(weights)[..., None] * f32(v_BNLH)[:, :, None], axis=3)
+  return jnp.swapaxes(out.astype(v_BNLH.dtype), 1, 2)
+
+
 def _pack_rows(x_BS_, index_P):
   """x [B, S, ...] at the flat positions index [P] -> [P, ...] (index B * S: zeros)."""
   B, S = x_BS_.shape[:2]
@@ -303,15 +318,33 @@ def _one_row_as_two() -> bool | str:
   return mode
 
 
-_SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO")
+# Whether a one-token decoder step at batch 1 (the autoregressive loop's step, a draft's
+# step) computes its self-attention's two products (query x cached keys, weights x cached
+# values) as multiplies summed along an axis instead of dots. With dots, XLA:CPU copies every
+# layer's K and V cache four times per such step: the step writes the new K/V into the cache
+# in place, and XLA gives the dot, which reads the cache with its unit batch dimension
+# dropped, a duplicate of that write, each needing its own copy of the whole cache (the big
+# EnDe target with a 48-slot cache: 64 copies, 4.7 MB, per step). At batch 8, or with 5
+# tokens, nothing is copied, and those keep the dots. Summed multiplies read the cache as it
+# lies (tests/test_t5.py). None: on the CPU backend only; read when a function is traced.
+ROWWISE_SELF_ATTENTION: bool | None = None
+
+
+def _rowwise_self_attention() -> bool:
+  on = jax.default_backend() == "cpu" if ROWWISE_SELF_ATTENTION is None else ROWWISE_SELF_ATTENTION
+  if not isinstance(on, bool):
+    raise ValueError(f"t5.ROWWISE_SELF_ATTENTION must be None, True or False, got {on!r}")
+  return on
+
+
+_SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION")
 
 
 @contextlib.contextmanager
 def switched(**values):
-  """Sets trace-time switches of this module (SKIP_PADDING_ROWS, ONE_ROW_AS_TWO) inside the
-  block, for A/B measurements. When that changes one, compiled programs are dropped
-  (`jax.clear_caches`) on entry and again on exit, so functions trace with the setting in
-  force; programs compiled inside the block (`jax.jit(f).lower(...).compile()`) keep it."""
+  """Sets trace-time switches of this module (`_SWITCHES`) inside the block, for A/B
+  measurements. When that changes one, compiled programs are dropped (`jax.clear_caches`)
+  on entry and again on exit, so functions trace with the setting in force; programs compiled inside the block (`jax.jit(f).lower(...).compile()`) keep it."""
   unknown = sorted(set(values) - set(_SWITCHES))
   if unknown:
     raise ValueError(f"unknown t5 switches {unknown}; known: {list(_SWITCHES)}")
@@ -677,7 +710,9 @@ class T5(base.ParamSpecs):
     k, v = _kv_layout(k, v)
     k_all = _write_rows(self_k_BNHL, k, offsets_B, DecodeCache.POSITION_AXES["self_k"])
     v_all = _write_rows(self_v_BNLH, v, offsets_B, DecodeCache.POSITION_AXES["self_v"])
-    x = x_BTD + self._merge_heads(_attend(q, k_all, v_all, self_bias, self_mask),
+    one_row = x_BTD.shape[0] == 1 and x_BTD.shape[1] == 1
+    attend = _attend_rowwise if one_row and _rowwise_self_attention() else _attend
+    x = x_BTD + self._merge_heads(attend(q, k_all, v_all, self_bias, self_mask),
                                   a["out"]["kernel"])
     h = _Normed(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["encoder_decoder_attention"]
