@@ -128,6 +128,16 @@ def test_argument_errors(tiny):
     decoding.autoregressive(model, params, enc, max_decode_len=3, row_ids=[1, 2, 3])
   with pytest.raises(ValueError, match="outside the vocabulary"):
     decoding.autoregressive(model, params, enc + 100, max_decode_len=3)
+  # float ids were cast to int32 (0.5 -> 0: rows silently shared a random stream); ragged
+  # lists gave numpy's "inhomogeneous shape" without naming the argument
+  for ids in (np.array([0.5, 1.5]), np.array([True, False]), [0.0, 1.0]):
+    with pytest.raises(ValueError, match=r"row_ids must be integers \(they key each row's "):
+      decoding.autoregressive(model, params, enc, max_decode_len=3, row_ids=ids,
+                              sampling=Sampling(1.0), rng=jax.random.PRNGKey(0))
+  decoding.autoregressive(model, params, enc, max_decode_len=2, row_ids=[3, 4])
+  with pytest.raises(ValueError, match=r"encoder_tokens must be a rectangular \[batch, length\] "
+                                       r"array of token ids; its rows have different lengths"):
+    decoding.autoregressive(model, params, [[3, 4, 5], [6, 7]], max_decode_len=3)
   # a seed where a key belongs was a TypeError from inside JAX; missing params a TypeError
   # from inside the model; an option this jaxlib lacks a raw JaxRuntimeError at compile time
   for seed in (3, 1.5, np.int32(3)):

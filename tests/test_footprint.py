@@ -95,6 +95,13 @@ def test_a_decode_that_cannot_fit_is_refused_with_the_largest_batch_and_gamma(pa
   fitting = footprint.check_fits(algo, target, draft, batch=1, input_len=8, draft_input_len=8,
                                  max_decode_len=16, devices=jax.devices()[:1], free=free)
   assert fitting.total == size(1)
+  # a tree's size is its budget, not gamma: the message said only "gamma 4"
+  tree = decoding.Speculative(gamma=4, drafter=decoding.TreeDrafter(budget=48),
+                              verifier=decoding.TreeVerifier())
+  with pytest.raises(footprint.DecodeMemoryError, match=r", gamma 4 \(TreeDrafter proposes up "
+                                                        r"to 48 tokens per target call\) needs"):
+    footprint.check_fits(tree, target, draft, batch=20, input_len=8, draft_input_len=8,
+                         max_decode_len=16, devices=jax.devices()[:1], free=one_row)
 
 
 def test_run_refuses_an_impossible_batch_before_compiling(pair, fresh, monkeypatch):

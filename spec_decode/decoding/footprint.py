@@ -220,10 +220,14 @@ def check_fits(algorithm, target, draft, *, batch: int, input_len: int,
     if g >= 1:
       hints.append(f"at batch {batch} the largest gamma that fits is {g}")
   where = f" over {sharded_over} devices" if sharded_over > 1 else ""
+  # A tree or lookup drafter's proposal size is its own setting (a tree's budget), not gamma.
+  size, drafter = getattr(algorithm, "max_proposal", None), getattr(algorithm, "drafter", None)
+  drafts = (f" ({type(drafter).__name__} proposes up to {size} tokens per target call)"
+            if gamma and isinstance(size, int) and size != gamma and drafter is not None else "")
   raise DecodeMemoryError(
       f"a decode of batch {batch} x {input_len} input tokens, max_decode_len {max_decode_len}"
-      f"{f', gamma {gamma}' if gamma else ''} needs at least {need.describe()}{where}, but "
-      f"{_gib(free[0])} {'per device are' if sharded_over > 1 else 'are'} free in "
+      f"{f', gamma {gamma}' if gamma else ''}{drafts} needs at least {need.describe()}{where}, "
+      f"but {_gib(free[0])} {'per device are' if sharded_over > 1 else 'are'} free in "
       f"{free[1]}; {'; '.join(hints)}")
 
 

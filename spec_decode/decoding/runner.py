@@ -496,6 +496,12 @@ def check_inputs(model, encoder_tokens, *, max_decode_len, sampling, rng, row_id
   else:
     concrete = not isinstance(row_ids, jax.core.Tracer) \
         and getattr(row_ids, "is_fully_addressable", True)
+    if concrete and not hasattr(row_ids, "dtype"):
+      row_ids = np.asarray(row_ids)
+    # (a float or bool id cast to int32 would silently give rows each other's streams)
+    if row_ids.dtype == bool or not jnp.issubdtype(row_ids.dtype, jnp.integer):
+      raise ValueError(f"row_ids must be integers (they key each row's random stream), got "
+                       f"dtype {row_ids.dtype}")
     row_ids = np.asarray(row_ids, np.int32) if concrete else jnp.asarray(row_ids, jnp.int32)
     if row_ids.shape != (B,):
       raise ValueError(f"row_ids must have shape ({B},), got {row_ids.shape}")

@@ -52,7 +52,12 @@ def validate_tokens(tokens, name: str, vocab_size: int):
   addressable tokens come back as a numpy int32 array (read once), others (tracers,
   multi-host global arrays) as they are, checked where they can be."""
   if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
-    tokens = np.asarray(tokens)
+    try:
+      tokens = np.asarray(tokens)
+    except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths
+      raise ValueError(f"{name} must be a rectangular [batch, length] array of token ids; "
+                       f"its rows have different lengths (pad the shorter ones with 0, the "
+                       f"PAD id)") from None
   if tokens.ndim != 2:
     raise ValueError(f"{name} must have shape [batch, length], got shape {tokens.shape}")
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
