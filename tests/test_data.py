@@ -153,15 +153,29 @@ def test_task_names_lists_builtin_and_registered(spm_task):
   assert set(tasks.T5_TASKS) == set(data.T5_TASK_NAMES)
 
 
-def test_unprepared_tfds_dataset_is_announced(spm_path, tmp_path, caplog):
-  """Before TFDS starts a long download (or fails offline minutes later), the run says so."""
+def test_unprepared_tfds_dataset_is_announced(spm_path, tmp_path, caplog, monkeypatch):
+  """Before TFDS starts a long download (or fails offline minutes later), the run says so;
+  in a data directory the user named, an unprepared dataset is refused (TFDS started a
+  download there and, offline, retried for minutes)."""
   import logging
   from spec_decode.data import pipeline
-  task = data.get_task("wmt_t2t_ende_v003", vocabulary=spm_path, tfds_data_dir=str(tmp_path))
   try:
-    with caplog.at_level(logging.WARNING):
+    task = data.get_task("wmt_t2t_ende_v003", vocabulary=spm_path, tfds_data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=f"TFDS dataset wmt_t2t_translate/de-en:1.0.0 is not "
+                                         f"prepared in {tmp_path} \\(the tfds_data_dir given"):
       pipeline._warn_if_tfds_unprepared(task)
+    tasks.set_tfds_data_dir(None)  # TFDS's own directory: announced, then downloaded
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "default"))
+    with caplog.at_level(logging.WARNING):
+      pipeline._warn_if_tfds_unprepared(data.get_task("wmt_t2t_ende_v003"))
   finally:
-    seqio.set_tfds_data_dir_override(None)
-  assert f"wmt_t2t_translate/de-en:1.0.0 is not prepared in {tmp_path}" in caplog.text
+    tasks.set_tfds_data_dir(None)
+  assert "wmt_t2t_translate/de-en:1.0.0 is not prepared in " in caplog.text
   assert "set ExperimentConfig.tfds_data_dir" in caplog.text
+
+
+def test_a_vocabulary_that_is_no_sentencepiece_model_is_refused(tmp_path):
+  garbage = tmp_path / "garbage.model"
+  garbage.write_bytes(b"\x00not a model" * 10)
+  with pytest.raises(ValueError, match=f"{garbage} is not a SentencePiece model"):
+    vocab.get_vocabulary(str(garbage))

@@ -88,7 +88,10 @@ def load_examples(task, *, split: str, num_examples: int | None,
 
 
 def _warn_if_tfds_unprepared(task) -> None:
-  """Says so before TFDS starts a long download-and-prepare (or fails offline after minutes)."""
+  """Says so before TFDS starts a long download-and-prepare (or fails offline after minutes);
+  when the caller named the data directory (`tasks.set_tfds_data_dir`, the experiment's
+  tfds_data_dir), a dataset not prepared there is refused: a download is not what was asked
+  for, and offline it retries for minutes."""
   loader = getattr(getattr(task, "source", None), "tfds_dataset", None)
   if loader is None:
     return
@@ -98,6 +101,12 @@ def _warn_if_tfds_unprepared(task) -> None:
     where = builder.data_dir_root
   except Exception:  # the check is advisory; get_dataset reports real failures
     return
+  from spec_decode.data import tasks  # (seqio and TensorFlow: only for seqio tasks)
+  if not prepared and tasks.tfds_data_dir() is not None:
+    raise ValueError(f"TFDS dataset {loader.name} is not prepared in {where} (the "
+                     f"tfds_data_dir given, ExperimentConfig.tfds_data_dir): prepare it there "
+                     f"first, or leave tfds_data_dir unset to let TFDS download and prepare "
+                     f"it (needs network and several GB)")
   if not prepared:
     from absl import logging
     logging.warning("TFDS dataset %s is not prepared in %s: TFDS now downloads and prepares it "

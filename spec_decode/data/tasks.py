@@ -44,6 +44,9 @@ _t5_vocabulary_ids: dict[str, str] = {}   # task name -> identity of its vocabul
 _offline_tasks: set[str] = set()
 _user_offline_tasks: set[str] = set()  # registered by callers, not by this package
 _builtin_offline_registered = False
+# The TFDS data directory a caller named (`get_task(tfds_data_dir=)`, `set_tfds_data_dir`):
+# a dataset not prepared there is refused rather than downloaded (`pipeline`).
+_tfds_data_dir: str | None = None
 
 
 def output_features(vocabulary: seqio.Vocabulary) -> dict[str, seqio.Feature]:
@@ -170,6 +173,19 @@ def register_builtin_offline_tasks() -> None:
   _builtin_offline_registered = True
 
 
+def set_tfds_data_dir(path: str | os.PathLike | None) -> None:
+  """Where TFDS finds prepared datasets from now on (seqio's override); None: TFDS's own
+  default, where a missing dataset is downloaded and prepared."""
+  global _tfds_data_dir
+  _tfds_data_dir = None if path is None else os.fspath(path)
+  seqio.set_tfds_data_dir_override(_tfds_data_dir)
+
+
+def tfds_data_dir() -> str | None:
+  """The TFDS data directory a caller named (`set_tfds_data_dir`), or None."""
+  return _tfds_data_dir
+
+
 def get_task(name: str, *, vocabulary=None, tfds_data_dir: str | os.PathLike | None = None
              ) -> seqio.Task:
   """The seqio Task `name`, registering it first if it is one this package defines.
@@ -179,7 +195,7 @@ def get_task(name: str, *, vocabulary=None, tfds_data_dir: str | os.PathLike | N
   tfds_data_dir: where TFDS finds prepared datasets (default: TFDS's own).
   """
   if tfds_data_dir is not None:
-    seqio.set_tfds_data_dir_override(os.fspath(tfds_data_dir))
+    set_tfds_data_dir(tfds_data_dir)
   if name in T5_TASKS:
     if vocabulary is not None or name not in _t5_vocabulary_ids:
       voc = vocab.get_vocabulary(vocabulary)

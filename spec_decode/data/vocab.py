@@ -33,4 +33,11 @@ def get_vocabulary(vocabulary: seqio.Vocabulary | str | os.PathLike | None = Non
     raise FileNotFoundError(f"SentencePiece model not found: {path}")
   if not isinstance(extra_ids, int) or extra_ids < 0:
     raise ValueError(f"extra_ids must be an int >= 0, got {extra_ids!r}")
-  return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+  voc = seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+  if "://" not in path:  # load a local model now, not in the middle of a run
+    try:
+      voc.vocab_size
+    except Exception as e:  # sentencepiece's parse error
+      raise ValueError(f"{path} is not a SentencePiece model: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  return voc
