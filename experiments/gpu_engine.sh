@@ -11,8 +11,10 @@
 # rows (`models.t5.ONE_ROW_AS_TWO`, the default on GPUs) against XLA's one-row lowering:
 # the steps of the drafts and the XXL target, then the XXL / small benchmark before
 # (one_row_as_one) and after. one_row_kinds: the demo-target-shaped step at batch 1 (the
-# project's stacking, stacking by broadcast, none) and at batch 8, each loop's optimized
-# HLO saved for `experiments.step_variants --kinds`.
+# project's stacking, stacking by broadcast, none; and the self-attention as summed
+# multiplies, which on the CPU removed copies of every KV cache from such a step,
+# `models.t5.ROWWISE_SELF_ATTENTION`) and at batch 8, each loop's optimized HLO saved for
+# `experiments.step_variants --kinds`.
 #
 # run from the repository root on the GPU machine (its python3 holds JAX with CUDA; nothing
 # here needs gin or seqio). COMMIT names the checkout in the result files: the git history
@@ -51,8 +53,9 @@ if [ "$PLAN" = one_row_kinds ]; then
   # to `python -m experiments.step_variants --kinds`.
   V=(--models t5_1_1_small --dtype bfloat16 --vocab_size 1536 --input_length 32
      --position 16 --repeats 3 --tokens 1,5 --save_hlo --results_dir "$RES")
-  step kinds_b1 150 $PY -m experiments.step_variants "${V[@]}" --batch_size 1 \
-    --variants project,one_row_as_two_broadcast,one_row_as_one --name step_one_row_kinds_b1
+  step kinds_b1 190 $PY -m experiments.step_variants "${V[@]}" --batch_size 1 \
+    --variants project,one_row_as_two_broadcast,one_row_as_one,self_attention_rowwise \
+    --name step_one_row_kinds_b1
   step kinds_b8 60 $PY -m experiments.step_variants "${V[@]}" --batch_size 8 \
     --variants project --name step_one_row_kinds_b8
   date -u +%FT%TZ
