@@ -452,6 +452,21 @@ def test_default_job_output_is_one_clean_block_and_imports_no_tensorflow(tmp_pat
     ("spec_decode.cli.train", ["--gin_file=configs/demo/common.gin"], "spec_decode.cli.train: "
      "error: GinConfigError: the gin files ['configs/demo/common.gin'] must configure one "
      "training run"),
+    # settings refused when the config is built, before any step (export_path and workdir
+    # unset: nothing would be written even if they were not)
+    ("spec_decode.cli.train", ["--gin_file=configs/demo/ende_small.gin",
+                               "--gin.TrainConfig.export_path=None",
+                               "--gin.TrainConfig.workdir=None", "--gin.TrainConfig.num_steps=1",
+                               "--gin.TrainConfig.export_dtype='int8'"],
+     "spec_decode.cli.train: error: ValueError: TrainConfig.export_dtype must be one of "
+     "('float32', 'bfloat16', 'float16')"),
+    ("spec_decode.cli.train", ["--gin_file=configs/demo/ende_eagle.gin",
+                               "--gin.EagleTrainConfig.export_path=None",
+                               "--gin.EagleTrainConfig.workdir=None",
+                               "--gin.EagleTrainConfig.num_steps=1",
+                               "--gin.EagleTrainConfig.head={'bogus': 1}"],
+     "spec_decode.cli.train: error: ValueError: EagleTrainConfig.head has unknown keys "
+     "['bogus']; valid keys"),
     ("spec_decode.cli.memory", ["--from_json=/nonexistent/plans.json"], "spec_decode.cli.memory: "
      "error: FileNotFoundError: No such file or directory: /nonexistent/plans.json"),
     ("spec_decode.cli.memory", ["--dtype=int3"], "spec_decode.cli.memory: error: ValueError: "

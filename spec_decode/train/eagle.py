@@ -35,6 +35,7 @@ import optax
 from spec_decode import configurable
 from spec_decode.heads import eagle
 from spec_decode.models import t5
+from spec_decode.train import trainer
 from spec_decode.train.heads import (HeadRecipe, HeadTrainConfig, HeadTrainResult, distill_terms,
                                      shift_left, target_features, train_head)
 
@@ -53,12 +54,12 @@ class EagleTrainConfig(HeadTrainConfig):
   ce_weight: float = 0.1
 
   _positive_ints = HeadTrainConfig._positive_ints + ("unroll",)
+  _head_config = eagle.EagleConfig
 
   def __post_init__(self):
     super().__post_init__()
-    if not 0.0 < self.unroll_decay <= 1.0 or self.ce_weight < 0:
-      raise ValueError(f"EagleTrainConfig needs 0 < unroll_decay <= 1 and ce_weight >= 0, got "
-                       f"{self.unroll_decay}, {self.ce_weight}")
+    trainer.check_real(self, "unroll_decay", "a number in (0, 1]", lambda v: 0 < v <= 1)
+    trainer.check_real(self, "ce_weight", "a finite number >= 0", lambda v: v >= 0)
 
   def run(self, **kw) -> HeadTrainResult:
     """Trains an EAGLE head (`train`): what the command line runs with this config."""

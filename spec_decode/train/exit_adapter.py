@@ -43,6 +43,8 @@ class ExitAdapterTrainConfig(HeadTrainConfig):
   learning_rate: float = 1e-3
 
   _positive_ints = HeadTrainConfig._positive_ints + ("layers",)
+  _head_config = exit_adapter.ExitAdapterConfig
+  _head_settings = {"layers": "layers"}
 
   def __post_init__(self):
     super().__post_init__()

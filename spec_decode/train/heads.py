@@ -36,6 +36,12 @@ class HeadTrainConfig(trainer.RunConfig):
   target_checkpoint: the frozen target. head: overrides of the head config's `for_target`
   defaults. With prefixes 'target' both splits are the target's own outputs (the first
   teacher_examples training and eval_examples validation inputs decoded by it).
+
+  A recipe's config names its head config class in `_head_config` (None: `head` is not
+  checked), in `_head_settings` the head config fields its own settings set ({field:
+  setting}) and in `_head_fixed` those it takes from the target whatever `head` says;
+  `head`'s keys are checked against the other fields when the config is built, since
+  `for_target(**head)` would raise a bare TypeError only after the target is loaded.
   """
   target_checkpoint: str = "demo_models/ende_target"
   head: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -49,6 +55,33 @@ class HeadTrainConfig(trainer.RunConfig):
   eval_examples: int = 128
   log_every: int = 25
   export_dtype: str = "float32"
+
+  _head_config = None
+  _head_settings = {}  # {head config field: the setting of this config that sets it}
+  _head_fixed = ()  # head config fields the recipe takes from the target, not from `head`
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._check_head()
+
+  def _check_head(self) -> None:
+    """A ValueError unless `head` is a dict whose keys are fields of `_head_config` that no
+    setting of this config sets: one naming the setting to use for a key a setting sets, else
+    one naming the unknown keys and listing the valid ones."""
+    name = type(self).__name__
+    if not isinstance(self.head, Mapping):
+      raise ValueError(f"{name}.head must be a dict of head config fields, got {self.head!r}")
+    if self._head_config is None:
+      return
+    for key, setting in self._head_settings.items():
+      if key in self.head:
+        raise ValueError(f"set {name}.{setting}, not head[{key!r}]")
+    valid = [f.name for f in dataclasses.fields(self._head_config)
+             if f.name not in self._head_settings and f.name not in self._head_fixed]
+    unknown = [k for k in self.head if k not in valid]
+    if unknown:
+      raise ValueError(f"{name}.head has unknown keys {unknown}; valid keys (fields of "
+                       f"{self._head_config.__name__}): {valid or 'none'}")
 
 
 # ----------------------------------------------------------------------------- loss helpers

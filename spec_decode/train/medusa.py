@@ -42,6 +42,10 @@ class MedusaTrainConfig(HeadTrainConfig):
   log_every: int = 50
 
   _positive_ints = HeadTrainConfig._positive_ints + ("num_heads",)
+  # MedusaConfig.for_target takes no overrides: its sizes are the target's and num_heads
+  _head_config = medusa.MedusaConfig
+  _head_settings = {"num_heads": "num_heads"}
+  _head_fixed = ("emb_dim", "vocab_size")
 
   def run(self, **kw) -> HeadTrainResult:
     """Trains Medusa heads (`train`): what the command line runs with this config."""

@@ -46,7 +46,9 @@ class TrainConfig(trainer.RunConfig):
   widening and deepening, new parameters from the seed's random init).
   teacher_checkpoint: the frozen target for mode 'distill'; divergence and
   distill_temperature: `losses.divergence`. z_loss: T5X's z-loss weight. export_format:
-  't5x' or 'orbax'; export_dtype ('bfloat16' by default) halves the checkpoint's size.
+  't5x', 'orbax' or 'hf' (`checkpoints.FORMATS`); export_dtype ('bfloat16' by default)
+  halves the checkpoint's size. Both, and the keys of `model`, are checked when the config
+  is built: a typo there would otherwise surface only after training.
   """
   model: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"preset": "t5_1_1_tiny"})
   mode: str = "supervised"
@@ -60,16 +62,38 @@ class TrainConfig(trainer.RunConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    for name, allowed in (("mode", MODES), ("divergence", losses.DIVERGENCES)):
+    from spec_decode import checkpoints
+    for name, allowed in (("mode", MODES), ("divergence", losses.DIVERGENCES),
+                          ("export_format", checkpoints.FORMATS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"TrainConfig.{name} must be one of {allowed}, "
                          f"got {getattr(self, name)!r}")
+    trainer.check_real(self, "distill_temperature", "a finite number >= 0 (0: the teacher's "
+                       "argmax)", lambda v: v >= 0)
+    trainer.check_real(self, "z_loss", "a finite number >= 0", lambda v: v >= 0)
+    if not isinstance(self.grow_init, bool):
+      raise ValueError(f"TrainConfig.grow_init must be True or False, got {self.grow_init!r}")
     if self.grow_init and not self.init_checkpoint:
       raise ValueError("TrainConfig.grow_init needs init_checkpoint (the model to grow)")
     if self.mode == "distill" and not self.teacher_checkpoint:
       raise ValueError("mode 'distill' needs teacher_checkpoint")
+    try:  # an unknown key, preset or value in `model` is refused before training
+      self.model_config()
+    except ValueError as e:
+      if str(e).startswith("TrainConfig.model"):
+        raise
+      raise ValueError(f"TrainConfig.model {self.model!r}: {e}") from e
 
   def model_config(self) -> t5.T5Config:
+    """The T5Config `model` describes; a ValueError naming the keys that are neither 'preset'
+    nor a T5Config field (T5Config(**model) would raise a bare TypeError)."""
+    if not isinstance(self.model, Mapping):
+      raise ValueError(f"TrainConfig.model must be a dict of T5Config fields (optionally with "
+                       f"'preset'), got {self.model!r}")
+    valid = ["preset"] + [f.name for f in dataclasses.fields(t5.T5Config)]
+    unknown = [k for k in self.model if k not in valid]
+    if unknown:
+      raise ValueError(f"TrainConfig.model has unknown keys {unknown}; valid keys: {valid}")
     fields = dict(self.model)
     preset = fields.pop("preset", None)
     return t5.T5Config.preset(preset, **fields) if preset else t5.T5Config(**fields)

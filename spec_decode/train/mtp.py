@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from spec_decode import configurable
 from spec_decode.heads import mtp
+from spec_decode.train import trainer
 from spec_decode.train.heads import (HeadRecipe, HeadTrainConfig, HeadTrainResult, distill_terms,
                                      shift_left, target_features, train_head)
 
@@ -45,13 +46,12 @@ class MtpTrainConfig(HeadTrainConfig):
   depth_decay: float = 0.8
 
   _positive_ints = HeadTrainConfig._positive_ints + ("num_modules",)
+  _head_config = mtp.MtpConfig
+  _head_settings = {"num_modules": "num_modules"}
 
   def __post_init__(self):
     super().__post_init__()
-    if "num_modules" in self.head:
-      raise ValueError("set MtpTrainConfig.num_modules, not head['num_modules']")
-    if not 0.0 < self.depth_decay <= 1.0:
-      raise ValueError(f"MtpTrainConfig needs 0 < depth_decay <= 1, got {self.depth_decay}")
+    trainer.check_real(self, "depth_decay", "a number in (0, 1]", lambda v: 0 < v <= 1)
 
   def run(self, **kw) -> HeadTrainResult:
     """Trains MTP modules (`train`): what the command line runs with this config."""

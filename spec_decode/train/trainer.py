@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import numbers
 import os
 import time
 from typing import Any, Callable, Optional
@@ -38,6 +40,47 @@ from spec_decode.train import data as train_data
 OPTIMIZERS = ("adafactor", "adamw")
 SCHEDULES = ("constant", "rsqrt", "cosine")
 PREFIXES = ("data", "target")
+# The dtypes an export may be cast to: the float dtypes `checkpoints.load` and
+# `checkpoints.heads.load` read back (an int8 export would be written, then refused).
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_int(cfg, field: str, minimum: int = 1, *, optional: bool = False,
+              why: str = "") -> None:
+  """Raises a ValueError naming `field` of config `cfg` unless it is an int >= minimum (not a
+  bool, a float or a string: gin passes '5' through as a string; None too when `optional`);
+  `why` is added to the message. Checked before any comparison, which would otherwise end in
+  a raw TypeError ('<' between int and str)."""
+  v = getattr(cfg, field)
+  if optional and v is None:
+    return
+  if not _is_int(v) or v < minimum:
+    none = " or None" if optional else ""
+    raise ValueError(f"{type(cfg).__name__}.{field} must be an int >= {minimum}{none}{why}, "
+                     f"got {v!r}")
+
+
+def check_real(cfg, field: str, need: str, ok: Callable[[float], bool] = lambda v: True) -> None:
+  """Raises a ValueError naming `field` of config `cfg` unless it is a finite real number (an
+  int or a float, not a bool or a string) for which ok(value) holds; `need` says what it must
+  be ('a finite number > 0'). NaN and infinities are refused: a learning rate, weight or decay
+  that is not finite makes every parameter NaN at the first step."""
+  v = getattr(cfg, field)
+  if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+          and ok(v)):
+    raise ValueError(f"{type(cfg).__name__}.{field} must be {need}, got {v!r}")
+
+
+def _dtype_name(v) -> str | None:
+  """The name of dtype `v` ('bfloat16'), or None when it names no dtype ('float7', 3)."""
+  try:
+    return jnp.dtype(v).name
+  except (TypeError, ValueError):
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +95,12 @@ class RunConfig:
   batch_size, num_steps, input_length, target_length, max_train_examples (None: the whole
   split), seed: the batches (`train.data`). workdir: where the train state is checkpointed
   every save_every steps (a rerun resumes); log_every, eval_every, eval_examples: the log
-  and the evaluations. export_path (new or empty), export_dtype: the exported result.
+  and the evaluations. export_path (new or empty), export_dtype (one of `EXPORT_DTYPES`):
+  the exported result.
+
+  Every setting is checked when the config is built (types first: gin passes a quoted
+  '1e-3' through as a string), so that a typo ends the run before any step, with an error
+  naming the setting, not after training or in a raw TypeError.
   """
   task: str = "synthetic_ende"
   prefixes: str = "target"
@@ -87,22 +135,25 @@ class RunConfig:
       if getattr(self, field) not in allowed:
         raise ValueError(f"{name}.{field} must be one of {allowed}, "
                          f"got {getattr(self, field)!r}")
+    if _dtype_name(self.export_dtype) not in EXPORT_DTYPES:
+      raise ValueError(f"{name}.export_dtype must be one of {EXPORT_DTYPES} (the float dtypes "
+                       f"the checkpoint loaders read back), got {self.export_dtype!r}")
     for field in self._positive_ints:
-      v = getattr(self, field)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name}.{field} must be an int >= 1, got {v!r}")
-    if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) \
-        or self.num_steps < 1:
-      raise ValueError(f"{name}.num_steps must be an int >= 1 (0 would export the initial "
-                       f"parameters untrained), got {self.num_steps!r}")
+      check_int(self, field)
+    check_int(self, "num_steps",
+              why=" (0 would export the initial parameters untrained)")
+    check_int(self, "eval_examples", why=" (the examples each evaluation reads)")
+    check_int(self, "max_train_examples", optional=True,
+              why=" (None: the whole training split)")
+    check_int(self, "warmup_steps", 0)
     # PRNGKey keeps 32 bits of a seed, and the evaluation's key is PRNGKey(seed + 7): a seed
     # outside this range would silently repeat another seed's random stream
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
-        or not 0 <= self.seed < 2 ** 32 - 7:
+    if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 32 - 7:
       raise ValueError(f"{name}.seed must be an int in [0, 2**32 - 7), got {self.seed!r}")
-    if self.warmup_steps < 0 or not 0 < self.learning_rate < float("inf"):
-      raise ValueError(f"{name} needs warmup_steps >= 0 and a finite learning_rate > 0, got "
-                       f"{self.warmup_steps!r} and {self.learning_rate!r}")
+    check_real(self, "learning_rate", "a finite number > 0", lambda v: v > 0)
+    check_real(self, "weight_decay", "a finite number >= 0", lambda v: v >= 0)
+    check_real(self, "teacher_temperature", "a finite number >= 0 (0: greedy)",
+               lambda v: v >= 0)
     for field, what in (("export_path", "the export is a checkpoint directory (new or empty)"),
                         ("workdir", "it holds the run's checkpoints")):
       path = getattr(self, field)
@@ -111,7 +162,8 @@ class RunConfig:
 
 
 class NonFiniteLossError(ValueError):
-  """A training step's loss was NaN or infinite (a diverged run)."""
+  """A training step's or an evaluation's loss was NaN or infinite (a diverged run); the
+  checkpoint of the parameters that gave it is removed (`run_steps`)."""
 
 
 @flax.struct.dataclass
@@ -271,6 +323,25 @@ def resume(state: TrainState, cfg, report: Callable[[str], None]):
   return state, manager
 
 
+def _discard_diverged(manager, step: int) -> str:
+  """Removes the checkpoint of `step` from `manager`, if one was saved: its parameters gave a
+  non-finite loss, and a rerun would resume from them (or, with num_steps <= step, export
+  them). Returns what the error says of the workdir: what was removed and the last good
+  checkpoint left (a rerun resumes from it), or '' without a workdir."""
+  if manager is None:
+    return ""
+  where, latest = manager.directory, manager.latest_step()
+  if step in manager.all_steps():
+    manager.delete(step)
+    latest = manager.latest_step()
+    left = (f"the last good checkpoint left is step {latest}" if latest is not None else
+            "none is left (a rerun starts from the beginning)")
+    return f"; the checkpoint of step {step} in {where} (those parameters) is removed: {left}"
+  if latest is None:
+    return f"; {where} holds no checkpoint (a rerun starts from the beginning)"
+  return f"; the last good checkpoint in {where} is step {latest}"
+
+
 def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eval_split,
               frozen_params, manager, report: Callable[[str], None],
               describe: Callable[[dict], str]):
@@ -281,11 +352,31 @@ def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eva
   cfg.log_every steps a line `step k/N <describe(metrics)> (rate)`, every cfg.eval_every
   (and at the end) an evaluation on eval_split, every cfg.save_every (and at the end) an
   Orbax save to `manager` (None: no saves). Returns (state, history, last eval).
+
+  A diverged run leaves no checkpoint it would resume from or export: the loss of step k is
+  computed with the parameters after step k - 1, so a non-finite training loss at step k
+  proves those parameters bad, and their checkpoint (if one was saved) is removed before
+  the `NonFiniteLossError`; an evaluation after step k (it runs before that step's save)
+  whose loss is not finite stops the run the same way. The returned evaluation is of the
+  final parameters, so its loss is finite: the callers export only parameters that give a
+  finite loss (a rerun that resumes at num_steps evaluates the saved parameters first).
   """
   batch_kw = dict(input_length=cfg.input_length, target_length=cfg.target_length)
-  eval_now = lambda: evaluate(eval_step, state.params, train_data.eval_batches(
-      eval_split, batch_size=cfg.batch_size, max_examples=cfg.eval_examples, **batch_kw),
-      frozen_params)
+  fix = "; lower the learning rate, or check the data and the initial checkpoint"
+
+  def eval_now(done: int) -> dict[str, float]:
+    """The evaluation of the parameters after step `done`; a NonFiniteLossError (their
+    checkpoint removed) if its loss is not finite."""
+    result = evaluate(eval_step, state.params, train_data.eval_batches(
+        eval_split, batch_size=cfg.batch_size, max_examples=cfg.eval_examples, **batch_kw),
+        frozen_params)
+    loss = result.get("loss")
+    if loss is not None and not math.isfinite(loss):
+      raise NonFiniteLossError(
+          f"the evaluation loss is {loss} after step {done}: training stopped and nothing is "
+          f"exported" + _discard_diverged(manager, done) + fix)
+    return result
+
   history, last_eval = [], {}
   t0, start = time.time(), int(state.step)
   while int(state.step) < cfg.num_steps:
@@ -296,12 +387,11 @@ def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eva
     done = step + 1
     loss = float(metrics["loss"])  # the loop waits for each step anyway (state.step)
     if not np.isfinite(loss):
+      given = f"the parameters after step {step}" if step else "the initial parameters"
       raise NonFiniteLossError(
           f"the training loss is {loss} at step {done} (gradient norm "
-          f"{float(metrics['grad_norm'])}): training stopped; nothing after step {step} is "
-          "saved or exported" + (f" (the checkpoints in {cfg.workdir} stay as they were)"
-                                 if manager is not None else "")
-          + "; lower the learning rate, or check the data and the initial checkpoint")
+          f"{float(metrics['grad_norm'])}), computed with {given}: training stopped and "
+          "nothing is exported" + _discard_diverged(manager, step) + fix)
     if done % cfg.log_every == 0 or done == cfg.num_steps:
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}
       m["step"] = done
@@ -309,10 +399,10 @@ def run_steps(state: TrainState, cfg, *, train_step, eval_step, train_split, eva
       rate = (done - start) / max(time.time() - t0, 1e-9)
       report(f"step {done}/{cfg.num_steps} {describe(m)} ({rate:.2f} steps/s)")
     if done % cfg.eval_every == 0 or done == cfg.num_steps:
-      last_eval = eval_now()
+      last_eval = eval_now(done)
       report(f"eval at step {done}: " + json.dumps({k: round(v, 4) for k, v in last_eval.items()}))
     if manager is not None and (done % cfg.save_every == 0 or done == cfg.num_steps):
       _save_state(manager, state)
   if not last_eval:
-    last_eval = eval_now()
+    last_eval = eval_now(int(state.step))
   return state, history, last_eval
