@@ -331,7 +331,9 @@ ROWWISE_SELF_ATTENTION: bool | None = None
 
 
 def _rowwise_self_attention() -> bool:
-  on = jax.default_backend() == "cpu" if ROWWISE_SELF_ATTENTION is None else ROWWISE_SELF_ATTENTION
+  on = ROWWISE_SELF_ATTENTION
+  if on is None:
+    on = jax.default_backend() == "cpu"
   if not isinstance(on, bool):
     raise ValueError(f"t5.ROWWISE_SELF_ATTENTION must be None, True or False, got {on!r}")
   return on
@@ -344,7 +346,8 @@ _SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION")
 def switched(**values):
   """Sets trace-time switches of this module (`_SWITCHES`) inside the block, for A/B
   measurements. When that changes one, compiled programs are dropped (`jax.clear_caches`)
-  on entry and again on exit, so functions trace with the setting in force; programs compiled inside the block (`jax.jit(f).lower(...).compile()`) keep it."""
+  on entry and again on exit, so functions trace with the setting in force; programs
+  compiled inside the block (`jax.jit(f).lower(...).compile()`) keep it."""
   unknown = sorted(set(values) - set(_SWITCHES))
   if unknown:
     raise ValueError(f"unknown t5 switches {unknown}; known: {list(_SWITCHES)}")
