@@ -61,6 +61,42 @@ def test_size_budget():
   assert total <= TOTAL_BUDGET_MB * MB, total
 
 
+def test_shipped_heads_name_the_target_they_were_trained_on(tmp_path):
+  """Every shipped head records its target (`checkpoints.heads.TRAINED_FOR`), whose
+  fingerprint is the shipped target's; a run pairing a head with another target says so
+  (`model_specs.head_target_notice`: the EnDe EAGLE head loads on the CNN/DM target, whose
+  shapes fit, and decoded exactly at alpha 0.015 without a word)."""
+  import json
+  from spec_decode.checkpoints import storage
+  from spec_decode.experiment import model_specs
+  heads = [d for d in _shipped() if any(n.endswith("_config.json") or n == "medusa.json"
+                                        for n in os.listdir(os.path.join(DEMO, d)))]
+  assert len(heads) >= 12, heads
+  for name in heads:
+    trained = head_checkpoints.trained_for(os.path.join(DEMO, name))
+    assert trained is not None, name
+    assert trained["target_fingerprint"] == storage.fingerprint(
+        os.path.join(ROOT, trained["target_checkpoint"])), name
+  spec = lambda kind, name: model_specs.ModelSpec(kind=kind, checkpoint=os.path.join(DEMO, name))
+  head = spec("eagle", "ende_eagle")
+  assert model_specs.head_target_notice(head, spec("t5", "ende_target")) is None
+  notice = model_specs.head_target_notice(head, spec("t5", "cnndm_target"))
+  assert "was trained on the target 'demo_models/ende_target'" in notice, notice
+  assert "expect a low acceptance rate (the outputs stay exact)" in notice
+  assert model_specs.head_target_notice(spec("t5", "ende_small"), spec("t5", "cnndm_target")) \
+      is None  # a draft model, not a head
+  # save() writes what it is given; a head saved without it records nothing
+  loaded, params = head_checkpoints.load(os.path.join(DEMO, "ende_eagle"))
+  head_checkpoints.save(tmp_path / "with", loaded, params, trained_for={"target_fingerprint": "x"})
+  head_checkpoints.save(tmp_path / "without", loaded, params)
+  assert head_checkpoints.trained_for(tmp_path / "with") == {"target_fingerprint": "x"}
+  assert head_checkpoints.trained_for(tmp_path / "without") is None
+  (tmp_path / "without" / head_checkpoints.TRAINED_FOR).write_text("{cut")
+  with pytest.raises(ValueError, match="corrupt trained_for.json in"):
+    head_checkpoints.trained_for(tmp_path / "without")
+  assert json.loads((tmp_path / "with" / head_checkpoints.TRAINED_FOR).read_text())
+
+
 def test_every_demo_model_is_shipped():
   assert set(MODELS) <= set(_shipped()), sorted(set(MODELS) - set(_shipped()))
 

@@ -203,6 +203,10 @@ def test_training_lowers_the_loss_and_raises_agreement(tmp_path):
   heads, params = head_checkpoints.load(str(tmp_path / "heads"))
   assert heads.num_heads == 2
   np.testing.assert_allclose(params["w"], out.params["w"], atol=0)
+  from spec_decode.checkpoints import storage  # the export names the target it trained on
+  assert head_checkpoints.trained_for(str(tmp_path / "heads")) == {
+      "target_checkpoint": str(tmp_path / "target"),
+      "target_fingerprint": storage.fingerprint(str(tmp_path / "target"))}
 
 
 @pytest.mark.slow

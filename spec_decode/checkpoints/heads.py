@@ -83,9 +83,31 @@ def kind_of(head) -> HeadKind:
                    f"{kinds()}")
 
 
-def save(path, head, params, *, step: int = 0, dtype=None) -> None:
+# What a head was trained on, beside its config: {"target_checkpoint": the path as given,
+# "target_fingerprint": `storage.fingerprint` of it}; read by `trained_for`.
+TRAINED_FOR = "trained_for.json"
+
+
+def trained_for(path) -> dict | None:
+  """The target a head checkpoint records it was trained on (`save(trained_for=)`), or None
+  when it records none (a head saved without it, a legacy Medusa directory)."""
+  raw = storage.read_bytes(storage.join(storage.normalize(path), TRAINED_FOR))
+  if raw is None:
+    return None
+  try:
+    out = json.loads(raw)
+  except ValueError as e:
+    raise ValueError(f"corrupt {TRAINED_FOR} in {path}: {e}") from e
+  if not isinstance(out, dict):
+    raise ValueError(f"corrupt {TRAINED_FOR} in {path}: expected a JSON object")
+  return out
+
+
+def save(path, head, params, *, step: int = 0, dtype=None,
+         trained_for: dict | None = None) -> None:
   """Writes the head into the new or empty directory `path`; dtype (e.g. 'bfloat16') casts
-  the stored arrays (a kind with one dtype keeps its own)."""
+  the stored arrays (a kind with one dtype keeps its own). trained_for: what the head was
+  trained on (see TRAINED_FOR), so that a run pairing it with another target can say so."""
   kind = kind_of(head)
   head.check_params(params)
   path = storage.normalize(path)
@@ -99,6 +121,9 @@ def save(path, head, params, *, step: int = 0, dtype=None) -> None:
     config["dtype"] = jnp.dtype(dtype).name
   storage.write_bytes(storage.join(path, kind.config_file),
                       json.dumps(config, indent=1).encode())
+  if trained_for is not None:
+    storage.write_bytes(storage.join(path, TRAINED_FOR),
+                        json.dumps(dict(trained_for), indent=1).encode())
 
 
 def load(path, *, kind: str | None = None, dtype=None) -> tuple[Any, dict]:

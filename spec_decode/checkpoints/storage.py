@@ -148,6 +148,26 @@ _TRUST_HINT = ("pass allow_outside_paths=True to checkpoints.load, or "
                "ModelSpec.allow_outside_paths, if you trust it")
 
 
+def fingerprint(path: str, *, small_file_bytes: int = 1 << 20) -> str | None:
+  """A hash of what a local checkpoint (a directory or a file) holds: every file's relative
+  path and size, and the content of files up to `small_file_bytes` (metadata, specs, and
+  every chunk of a small model); larger files count by size only, so this stays fast on
+  T5-XXL-sized checkpoints. None for remote (URL) and missing paths."""
+  import hashlib
+  if "://" in path or not os.path.exists(path):
+    return None
+  digest = hashlib.sha256()
+  files = ([path] if os.path.isfile(path) else
+           sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names))
+  for f in files:
+    size = os.path.getsize(f)
+    digest.update(f"{os.path.relpath(f, path)}\0{size}\0".encode())
+    if size <= small_file_bytes:
+      with open(f, "rb") as fh:
+        digest.update(fh.read())
+  return digest.hexdigest()[:16]
+
+
 def _within(root: str, path: str) -> bool:
   return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 

@@ -15,7 +15,6 @@ token sequences (for drafters fit on data).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,6 +25,7 @@ import numpy as np
 import spec_decode.heads  # noqa: F401  (every head network registers its checkpoint kind)
 from spec_decode import configurable
 from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.checkpoints import storage
 from spec_decode.kernels import cpu_matmul
 from spec_decode.models import offload, t5
 from spec_decode.paths import resolve_checkpoint
@@ -189,28 +189,33 @@ def load(spec: ModelSpec, context: LoadContext) -> tuple[Any, Any]:
 
 
 def checkpoint_fingerprint(spec: ModelSpec, *, small_file_bytes: int = 1 << 20) -> str | None:
-  """A hash of what a local checkpoint holds, so a resumed run sees a retrained one.
-
-  Covers every file's relative path and size, and the content of files up to
-  `small_file_bytes` (metadata, specs, and every chunk of a small model);
-  larger files count by size only, so this stays fast on T5-XXL-sized
-  checkpoints. None for random models, n-grams and remote (URL) paths.
-  """
+  """A hash of what a local checkpoint holds, so a resumed run sees a retrained one
+  (`checkpoints.storage.fingerprint`: paths, sizes, the content of small files). None for
+  random models, n-grams and remote (URL) paths."""
   if spec.checkpoint is None:
     return None
-  path = resolve_checkpoint(spec.checkpoint)
-  if "://" in path or not os.path.exists(path):
+  return storage.fingerprint(resolve_checkpoint(spec.checkpoint),
+                             small_file_bytes=small_file_bytes)
+
+
+def head_target_notice(draft: ModelSpec | None, target: ModelSpec) -> str | None:
+  """A sentence when `draft` is a head checkpoint trained on another target than `target`
+  (the fingerprint `checkpoints.heads.save` recorded differs from the target's): such a head
+  loads whenever the shapes fit and decodes exactly, but proposes for the wrong model, so its
+  acceptance is near zero. None when they match or either is unknown."""
+  if draft is None or draft.kind not in head_checkpoints.kinds() or draft.checkpoint is None:
     return None
-  digest = hashlib.sha256()
-  files = ([path] if os.path.isfile(path) else
-           sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names))
-  for f in files:
-    size = os.path.getsize(f)
-    digest.update(f"{os.path.relpath(f, path)}\0{size}\0".encode())
-    if size <= small_file_bytes:
-      with open(f, "rb") as fh:
-        digest.update(fh.read())
-  return digest.hexdigest()[:16]
+  path = resolve_checkpoint(draft.checkpoint)
+  if "://" in path:
+    return None
+  trained = head_checkpoints.trained_for(path) or {}
+  recorded, current = trained.get("target_fingerprint"), checkpoint_fingerprint(target)
+  if recorded is None or current is None or recorded == current:
+    return None
+  return (f"the draft head {draft.checkpoint} was trained on the target "
+          f"{trained.get('target_checkpoint')!r} (fingerprint {recorded}), not on this run's "
+          f"target {target.checkpoint!r} (fingerprint {current}): its proposals are for "
+          f"another model, so expect a low acceptance rate (the outputs stay exact)")
 
 
 def check_checkpoint(spec: ModelSpec, role: str) -> None:

@@ -222,6 +222,7 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   summary["gamma_selection"] = gamma_choice
   summary["timing"]["run_seconds"] = time.perf_counter() - start
   summary.update(status.summary_extras(output_dir, rows, s.examples, config, resume))
+  summary["notices"].extend(s.notices)
   if remeasured:
     summary["notices"].append(
         f"no step costs were recorded with these rows ({results.RUNS} missing or without "

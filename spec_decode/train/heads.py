@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from spec_decode import paths
 from spec_decode.checkpoints import heads as head_checkpoints
+from spec_decode.checkpoints import storage
 from spec_decode.data.tokenized import TokenizedSplit
 from spec_decode.models import t5
 from spec_decode.train import trainer
@@ -154,14 +155,18 @@ def train_head(cfg: HeadTrainConfig, recipe: HeadRecipe, *,
   builds on a frozen target, then exports it to cfg.export_path (`checkpoints.heads`).
 
   train_split / eval_split / (target, target_params) override the task's data and
-  `target_checkpoint` (tests pass tiny ones).
+  `target_checkpoint` (tests pass tiny ones). A head trained on `target_checkpoint` records
+  it and its fingerprint in the export (`checkpoints.heads.TRAINED_FOR`).
   """
   if cfg.export_path and os.path.isdir(cfg.export_path) and os.listdir(cfg.export_path):
     raise ValueError(f"export_path {cfg.export_path} already holds files; remove it first")
+  trained_for = None  # what the export records of its target: only a loaded checkpoint
   if target is None:
     from spec_decode import checkpoints
-    tcfg, target_params = checkpoints.load(paths.resolve_checkpoint(cfg.target_checkpoint),
-                                           dtype="float32")
+    target_path = paths.resolve_checkpoint(cfg.target_checkpoint)
+    trained_for = {"target_checkpoint": cfg.target_checkpoint,
+                   "target_fingerprint": storage.fingerprint(target_path)}
+    tcfg, target_params = checkpoints.load(target_path, dtype="float32")
     target = t5.T5(tcfg)
   train_split, eval_split = trainer.splits(cfg, train_split, eval_split)
   if cfg.prefixes == "target":
@@ -189,7 +194,7 @@ def train_head(cfg: HeadTrainConfig, recipe: HeadRecipe, *,
   report(f"trained to step {int(state.step)} in {seconds / 60:.1f} minutes")
   if cfg.export_path:
     head_checkpoints.save(cfg.export_path, head, state.params, step=int(state.step),
-                          dtype=cfg.export_dtype)
+                          dtype=cfg.export_dtype, trained_for=trained_for)
     report(f"exported the {recipe.what} to {cfg.export_path}")
   return HeadTrainResult(head=head, params=state.params, history=tuple(history),
                          eval=last_eval, seconds=seconds)
