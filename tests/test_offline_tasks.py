@@ -40,6 +40,17 @@ def test_plain_and_seqio_paths_give_identical_examples(name, split, n):
     assert pv.decode(ids) == sv.decode(ids)
 
 
+def test_more_examples_than_a_split_holds_give_them_all():
+  """As a seqio task does (the experiment's summary says how many there were); it was an
+  error naming no setting ('size must be in [0, 500] for synthetic_cnndm/test')."""
+  task = data.get_task("synthetic_cnndm")
+  everything = data.load_examples(task, split="test", num_examples=10 ** 8,
+                                  feature_lengths=LENGTHS)
+  assert len(everything) == 500
+  assert everything[:3] == data.load_examples(task, split="test", num_examples=3,
+                                              feature_lengths=LENGTHS)
+
+
 def test_truncated_examples_are_counted():
   task = data.get_task("synthetic_cnndm")
   exs = data.load_examples(task, split="test", num_examples=6, feature_lengths=LENGTHS)
