@@ -10,6 +10,7 @@ driver would otherwise retry for many minutes without a word.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import re
@@ -153,7 +154,6 @@ def fingerprint(path: str, *, small_file_bytes: int = 1 << 20) -> str | None:
   path and size, and the content of files up to `small_file_bytes` (metadata, specs, and
   every chunk of a small model); larger files count by size only, so this stays fast on
   T5-XXL-sized checkpoints. None for remote (URL) and missing paths."""
-  import hashlib
   if "://" in path or not os.path.exists(path):
     return None
   digest = hashlib.sha256()
