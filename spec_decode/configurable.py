@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import numpy as np
+
 T = TypeVar("T", bound=type)
 
 _CLASSES: dict[str, type] = {}
@@ -37,6 +39,12 @@ def register(cls: T | None = None, *, name: str | None = None,
       _RUNNABLE.add(key)
     return c
   return deco if cls is None else deco(cls)
+
+
+def is_int(x) -> bool:
+  """Whether a config value is a whole number: an int or a numpy integer, not a bool (and
+  not a string: gin passes a quoted '5' through as one)."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def classes() -> dict[str, type]:

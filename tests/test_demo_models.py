@@ -78,13 +78,13 @@ def test_shipped_heads_name_the_target_they_were_trained_on(tmp_path):
     assert trained["target_fingerprint"] == storage.fingerprint(
         os.path.join(ROOT, trained["target_checkpoint"])), name
   spec = lambda kind, name: model_specs.ModelSpec(kind=kind, checkpoint=os.path.join(DEMO, name))
-  head = spec("eagle", "ende_eagle")
-  assert model_specs.head_target_notice(head, spec("t5", "ende_target")) is None
-  notice = model_specs.head_target_notice(head, spec("t5", "cnndm_target"))
+  head, fingerprint = spec("eagle", "ende_eagle"), model_specs.checkpoint_fingerprint
+  assert model_specs.head_target_notice(head, fingerprint(spec("t5", "ende_target"))) is None
+  notice = model_specs.head_target_notice(head, fingerprint(spec("t5", "cnndm_target")))
   assert "was trained on the target 'demo_models/ende_target'" in notice, notice
   assert "expect a low acceptance rate (the outputs stay exact)" in notice
-  assert model_specs.head_target_notice(spec("t5", "ende_small"), spec("t5", "cnndm_target")) \
-      is None  # a draft model, not a head
+  assert model_specs.head_target_notice(spec("t5", "ende_small"), fingerprint(
+      spec("t5", "cnndm_target"))) is None  # a draft model, not a head
   # save() writes what it is given; a head saved without it records nothing
   loaded, params = head_checkpoints.load(os.path.join(DEMO, "ende_eagle"))
   head_checkpoints.save(tmp_path / "with", loaded, params, trained_for={"target_fingerprint": "x"})

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_decode import compile_options, partitioning
+from spec_decode.configurable import is_int  # noqa: F401  (also imported from here)
 from spec_decode.decoding import footprint
 from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import DecodeResult, DecodeStats
@@ -53,10 +54,6 @@ def nonfinite_rows(logits: jax.Array) -> jax.Array:
   diverged or badly converted model: its argmax is then index 0, PAD, silently). The
   decoders count such calls per row (the `nonfinite_calls` counter) so runs can say so."""
   return ~jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))
-
-
-def is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)

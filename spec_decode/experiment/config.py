@@ -28,10 +28,6 @@ BASELINE = "autoregressive"
 GAMMA_RULES = ("cost_model", "thm_3_8")
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 @configurable.register
 @dataclasses.dataclass(frozen=True)
 class GammaChoice:
@@ -80,7 +76,7 @@ class GammaChoice:
     if self.rule not in GAMMA_RULES:
       raise ValueError(f"GammaChoice.rule must be one of {GAMMA_RULES}, got {self.rule!r}")
     for name in ("max_gamma", "warmup_examples", "warmup_gamma"):
-      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+      if not configurable.is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"GammaChoice.{name} must be an int >= 1, got {getattr(self, name)!r}")
     for name in ("fallback_below", "measured_fallback_below"):
       f = getattr(self, name)
@@ -91,7 +87,7 @@ class GammaChoice:
     if not isinstance(self.in_loop_costs, bool):
       raise ValueError(f"GammaChoice.in_loop_costs must be True or False, got "
                        f"{self.in_loop_costs!r}")
-    if not _is_int(self.timing_rounds) or self.timing_rounds < 0:
+    if not configurable.is_int(self.timing_rounds) or self.timing_rounds < 0:
       raise ValueError(f"GammaChoice.timing_rounds must be an int >= 0, got "
                        f"{self.timing_rounds!r}")
 
@@ -208,7 +204,7 @@ class ExperimentConfig:
       if compacting:
         raise ValueError(f"decoders {compacting} shrink their batch (compact_batch), which "
                          "applies to unsharded runs (mesh None)")
-    if not _is_int(self.refill_chunk) or self.refill_chunk < 0:
+    if not configurable.is_int(self.refill_chunk) or self.refill_chunk < 0:
       raise ValueError(f"ExperimentConfig.refill_chunk must be an int >= 0, got "
                        f"{self.refill_chunk!r}")
     if self.refill_chunk:
@@ -226,18 +222,18 @@ class ExperimentConfig:
     if not isinstance(self.task, str) or not self.task:
       raise ValueError(f"ExperimentConfig.task must be a task name, got {self.task!r}")
     for name in ("batch_size", "timing_repeats", "step_timing_repeats"):
-      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+      if not configurable.is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"ExperimentConfig.{name} must be an int >= 1, "
                          f"got {getattr(self, name)!r}")
-    if self.num_examples is not None and (not _is_int(self.num_examples)
+    if self.num_examples is not None and (not configurable.is_int(self.num_examples)
                                           or self.num_examples < 1):
       raise ValueError(f"num_examples must be an int >= 1 or None, got {self.num_examples!r}")
     object.__setattr__(self, "feature_lengths", data.check_feature_lengths(self.feature_lengths))
-    if self.max_decode_len is not None and (not _is_int(self.max_decode_len)
+    if self.max_decode_len is not None and (not configurable.is_int(self.max_decode_len)
                                             or self.max_decode_len < 1):
       raise ValueError(f"max_decode_len must be an int >= 1 or None, got {self.max_decode_len!r}")
     for name, algo in self.decoders.items():
-      if _is_int(algo.gamma) and algo.gamma > self.decode_len:
+      if configurable.is_int(algo.gamma) and algo.gamma > self.decode_len:
         raise ValueError(f"decoders[{name!r}] has gamma {algo.gamma}, larger than the "
                          f"{self.decode_len} tokens decoded per example (max_decode_len): use "
                          f"gamma <= {self.decode_len}")

@@ -198,9 +198,10 @@ def checkpoint_fingerprint(spec: ModelSpec, *, small_file_bytes: int = 1 << 20) 
                              small_file_bytes=small_file_bytes)
 
 
-def head_target_notice(draft: ModelSpec | None, target: ModelSpec) -> str | None:
-  """A sentence when `draft` is a head checkpoint trained on another target than `target`
-  (the fingerprint `checkpoints.heads.save` recorded differs from the target's): such a head
+def head_target_notice(draft: ModelSpec | None, target_fingerprint: str | None) -> str | None:
+  """A sentence when `draft` is a head checkpoint trained on another target than the run's,
+  whose `checkpoint_fingerprint` is target_fingerprint (the fingerprint
+  `checkpoints.heads.save` recorded differs from it): such a head
   loads whenever the shapes fit and decodes exactly, but proposes for the wrong model, so its
   acceptance is near zero. None when they match or either is unknown."""
   if draft is None or draft.kind not in head_checkpoints.kinds() or draft.checkpoint is None:
@@ -209,13 +210,13 @@ def head_target_notice(draft: ModelSpec | None, target: ModelSpec) -> str | None
   if "://" in path:
     return None
   trained = head_checkpoints.trained_for(path) or {}
-  recorded, current = trained.get("target_fingerprint"), checkpoint_fingerprint(target)
-  if recorded is None or current is None or recorded == current:
+  recorded = trained.get("target_fingerprint")
+  if recorded is None or target_fingerprint is None or recorded == target_fingerprint:
     return None
   return (f"the draft head {draft.checkpoint} was trained on the target "
           f"{trained.get('target_checkpoint')!r} (fingerprint {recorded}), not on this run's "
-          f"target {target.checkpoint!r} (fingerprint {current}): its proposals are for "
-          f"another model, so expect a low acceptance rate (the outputs stay exact)")
+          f"target (fingerprint {target_fingerprint}): its proposals are for another model, "
+          f"so expect a low acceptance rate (the outputs stay exact)")
 
 
 def check_checkpoint(spec: ModelSpec, role: str) -> None:

@@ -164,6 +164,7 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   say = lambda msg: progress(msg, enabled=show_progress and setup.is_writer())
   s = setup.load(config, status=say)  # before anything is written: a failing config leaves no trace
   path = f"{output_dir}/{results.PREDICTIONS}"
+  fingerprints = {}
   if setup.is_writer():
     # A checkpoint retrained in place must not resume the old model's predictions.
     fingerprints = {role: model_specs.checkpoint_fingerprint(getattr(config, role))
@@ -222,7 +223,9 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
   summary["gamma_selection"] = gamma_choice
   summary["timing"]["run_seconds"] = time.perf_counter() - start
   summary.update(status.summary_extras(output_dir, rows, s.examples, config, resume))
-  summary["notices"].extend(s.notices)
+  notice = model_specs.head_target_notice(config.draft, fingerprints.get("target"))
+  if notice:
+    summary["notices"].append(notice)
   if remeasured:
     summary["notices"].append(
         f"no step costs were recorded with these rows ({results.RUNS} missing or without "

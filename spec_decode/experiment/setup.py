@@ -31,7 +31,6 @@ class Setup:
   draft: Any
   draft_params: Any
   mesh: Any
-  notices: tuple[str, ...] = ()  # what a person must know about the models (the summary's)
 
   @property
   def vocabulary(self):
@@ -91,9 +90,7 @@ def load(config: ExperimentConfig, *, status: Callable[[str], None] = lambda msg
       dparams = partitioning.put(dparams, partitioning.param_shardings(
           draft, mesh, partitioning.data_parallel_rules(config.rules), params=dparams))
   check_memory(config, examples, target, draft, mesh)
-  notice = model_specs.head_target_notice(config.draft, config.target)
-  return Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh,
-               notices=(notice,) if notice else ())
+  return Setup(config, task, tuple(examples), target, tparams, draft, dparams, mesh)
 
 
 def check_memory(config: ExperimentConfig, examples, target, draft, mesh) -> None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from spec_decode import configurable
 from spec_decode.data.tokenized import TokenizedSplit, pad_rows
 from spec_decode.train import data as train_data
 
@@ -45,10 +46,6 @@ PREFIXES = ("data", "target")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _is_int(v) -> bool:
-  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def check_int(cfg, field: str, minimum: int = 1, *, optional: bool = False,
               why: str = "") -> None:
   """Raises a ValueError naming `field` of config `cfg` unless it is an int >= minimum (not a
@@ -58,7 +55,7 @@ def check_int(cfg, field: str, minimum: int = 1, *, optional: bool = False,
   v = getattr(cfg, field)
   if optional and v is None:
     return
-  if not _is_int(v) or v < minimum:
+  if not configurable.is_int(v) or v < minimum:
     none = " or None" if optional else ""
     raise ValueError(f"{type(cfg).__name__}.{field} must be an int >= {minimum}{none}{why}, "
                      f"got {v!r}")
@@ -148,7 +145,7 @@ class RunConfig:
     check_int(self, "warmup_steps", 0)
     # PRNGKey keeps 32 bits of a seed, and the evaluation's key is PRNGKey(seed + 7): a seed
     # outside this range would silently repeat another seed's random stream
-    if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 32 - 7:
+    if not configurable.is_int(self.seed) or not 0 <= self.seed < 2 ** 32 - 7:
       raise ValueError(f"{name}.seed must be an int in [0, 2**32 - 7), got {self.seed!r}")
     check_real(self, "learning_rate", "a finite number > 0", lambda v: v > 0)
     check_real(self, "weight_decay", "a finite number >= 0", lambda v: v >= 0)
