@@ -26,7 +26,9 @@ Without this, JAX waits for its own heartbeat timeout (100 s by default) and
 then aborts every survivor with a C++ check failure. When process 0 (which hosts
 JAX's coordination service) is the one lost, the others' JAX clients abort at
 once from C++; a SIGABRT handler (`_arm_coordinator_abort`) then prints the same
-line after JAX's message and exits EXIT_HOST_LOST.
+line after JAX's message and exits EXIT_HOST_LOST. Whichever path ends the process
+first silences stderr for every other thread before it writes the line, so the line
+is the last thing there (JAX's threads keep logging while the process ends).
 """
 
 from __future__ import annotations
@@ -245,26 +247,43 @@ def on_host_lost(line: Callable[[list[int] | None], str] | None,
 
 
 def exit_host_lost(line: str, error: BaseException | None = None) -> None:
-  """Ends this process now: `line` on stderr, exit code EXIT_HOST_LOST.
+  """Ends this process now: `line` on stderr, the last thing there, exit code
+  EXIT_HOST_LOST.
 
   os._exit, so neither JAX's exit handler (a shutdown barrier that would wait for the
   dead peer, then abort) nor anything else runs; stdout and stderr are flushed first
   (the predictions are written and fsync'ed batch by batch as they go). `error`'s
-  traceback is printed first when given (the CLI's --verbose). Safe to call from any
-  thread; the first caller's line is the one printed.
+  traceback is printed first when given (the CLI's --verbose). Before the line,
+  file descriptor 2 is pointed at /dev/null: JAX's threads keep logging while the
+  process ends (its client's abort message when process 0 is gone), and what they
+  write after the line would bury it. Safe to call from any thread; the first
+  caller's line is the one printed.
   """
   _exiting.acquire()  # a second caller (the other path to the same loss) waits for the exit
   try:
     # JAX's client may abort from C++ while this process exits (process 0 gone): the
-    # abort handler then ends it with this same line, after JAX's message.
+    # abort handler then ends it with this same line.
     _quietly(lambda: _abort_decided(line))
     _quietly(sys.stdout.flush)
     if error is not None:
       _quietly(lambda: traceback.print_exception(error, file=sys.stderr))
-    _quietly(lambda: sys.stderr.write(line.rstrip("\n") + "\n"))
     _quietly(sys.stderr.flush)
+    if _abort.get("armed"):  # the handler and this exit must not both write
+      _quietly(lambda: _abort["lib"].spec_decode_abort_end(
+          line.rstrip("\n").encode("utf-8", "replace")))
+    _quietly(lambda: _write_last(line.rstrip("\n") + "\n"))
   finally:
     os._exit(EXIT_HOST_LOST)
+
+
+def _write_last(text: str) -> None:
+  """Writes text to stderr's file descriptor after pointing descriptor 2 at /dev/null."""
+  real = os.dup(2)
+  null = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(null, 2)
+  data = text.encode("utf-8", "replace")
+  while data:
+    data = data[os.write(real, data):]
 
 
 def _quietly(write: Callable[[], Any]) -> None:
@@ -438,6 +457,8 @@ def _abort_library():
     lib.spec_decode_abort_arm.restype = ctypes.c_int
     lib.spec_decode_abort_line.argtypes = [ctypes.c_char_p] * 3
     lib.spec_decode_abort_line.restype = None
+    lib.spec_decode_abort_end.argtypes = [ctypes.c_char_p]
+    lib.spec_decode_abort_end.restype = None
     for name in ("spec_decode_abort_disarm", "spec_decode_abort_decided"):
       getattr(lib, name).argtypes, getattr(lib, name).restype = [], None
     _abort["lib"] = lib

@@ -13,8 +13,14 @@
 // as before: the previous SIGABRT action is restored and the signal raised again, to
 // be delivered as the handler returns.
 //
+// The line is the last thing on stderr: whoever ends the process (this handler, or
+// Python through spec_decode_abort_end) first points file descriptor 2 at /dev/null,
+// so what JAX's threads log from then on (its abort message races the exit) is dropped,
+// then writes the line to a duplicate of the real stderr and exits. Only the first of
+// the two writes; the other waits for the exit.
+//
 // Everything in the handler is async-signal-safe (POSIX): socket, connect, poll,
-// getsockopt, close, open, read, write, sigaction, raise, _exit.
+// getsockopt, close, open, read, write, dup, dup2, pause, sigaction, raise, _exit.
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -38,6 +44,7 @@ int g_timeout_ms = 2000;
 int g_exit_code = 75;
 volatile sig_atomic_t g_armed = 0;
 volatile sig_atomic_t g_decided = 0;  // a loss is already known: no probe
+int g_ending = 0;  // set (atomically) by the first to end the process: ClaimTheEnd
 struct sigaction g_previous;
 
 // 1 when the coordinator accepts a connection now, 0 when it refuses, cannot be
@@ -89,9 +96,11 @@ long CountLines() {
   return lines;
 }
 
+int g_out = 2;  // where the line goes: the real stderr
+
 void WriteAll(const char* text, size_t size) {
   while (size > 0) {
-    ssize_t n = write(2, text, size);
+    ssize_t n = write(g_out, text, size);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return;
     text += n;
@@ -111,16 +120,33 @@ void WriteNumber(long value) {
   WriteAll(digits + i, sizeof(digits) - i);
 }
 
+// Whether this caller is the first to end the process; a later one waits for its exit.
+void ClaimTheEnd() {
+  if (__atomic_exchange_n(&g_ending, 1, __ATOMIC_SEQ_CST)) {
+    for (;;) pause();
+  }
+}
+
+// Silences file descriptor 2 for every thread, writes the line (after a newline when
+// `newline`, since an abort message may end mid-line) to the real stderr and exits.
+[[noreturn]] void WriteLineAndExit(bool newline) {
+  int real = dup(2);
+  int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+  if (real >= 0 && null >= 0 && dup2(null, 2) == 2) g_out = real;
+  if (newline) WriteText("\n");
+  WriteText(g_head);
+  if (g_path[0] != '\0') {
+    WriteNumber(CountLines());
+    WriteText(g_tail);
+  }
+  WriteText("\n");
+  _exit(g_exit_code);
+}
+
 void OnAbort(int signal_number) {
   if (g_armed && (g_decided || !CoordinatorAnswers())) {
-    WriteText("\n");
-    WriteText(g_head);
-    if (g_path[0] != '\0') {
-      WriteNumber(CountLines());
-      WriteText(g_tail);
-    }
-    WriteText("\n");
-    _exit(g_exit_code);
+    ClaimTheEnd();
+    WriteLineAndExit(true);
   }
   // Not ours: the previous action (SIG_DFL, or Python's faulthandler) takes the signal,
   // which stays blocked in this handler and arrives as it returns.
@@ -185,6 +211,18 @@ int spec_decode_abort_arm(const char* ip, int port, int timeout_ms, int exit_cod
 // The process is ending on a loss found elsewhere (a failed collective, the watchdog):
 // an abort from now on is part of it and prints the line without probing.
 void spec_decode_abort_decided() { g_decided = 1; }
+
+// Ends the process with `line` as the last thing on stderr (WriteLineAndExit); never
+// returns. An abort that comes meanwhile waits for this exit (or, having come first,
+// ends the process with the line set before, and this call waits).
+void spec_decode_abort_end(const char* line) {
+  g_decided = 1;
+  ClaimTheEnd();
+  Copy(g_head, line);
+  Copy(g_path, "");
+  Copy(g_tail, "");
+  WriteLineAndExit(false);
+}
 
 // Puts the previous SIGABRT action back.
 void spec_decode_abort_disarm() {

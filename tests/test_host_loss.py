@@ -22,7 +22,7 @@ import jax
 import pytest
 from absl import flags
 
-from spec_decode import distributed, paths
+from spec_decode import distributed, native, paths
 from spec_decode.cli import main
 from spec_decode.experiment import results
 import xla_flags
@@ -254,6 +254,44 @@ def test_the_exit_prints_what_is_pending_then_the_line():
   assert proc.stdout == "pending output"
   assert proc.stderr.startswith("Traceback") and "JaxRuntimeError" in proc.stderr
   assert proc.stderr.endswith("\nthe line\n")
+
+
+# A thread outside Python (as JAX's C++ threads, which log while the process ends: its
+# client's abort message when process 0 is gone) writes to stderr without pause; then the
+# exit. argv: the noise library, then 'armed' to arm the abort handler first (a
+# coordinator port that refuses) or 'plain'.
+_NOISE_SOURCE = ("#include <pthread.h>\n#include <unistd.h>\n"
+                 "static void* Noise(void*) { for (;;) write(2, \"noise\\n\", 6); return 0; }\n"
+                 "extern \"C\" int start_noise() { pthread_t t;\n"
+                 "  return pthread_create(&t, 0, Noise, 0); }\n")
+_NOISY_EXIT = ("import ctypes, socket, sys, time\n"
+               "from spec_decode import distributed\n"
+               "if sys.argv[2] == 'armed':\n"
+               "  with socket.socket() as s:\n"
+               "    s.bind(('127.0.0.1', 0))\n"
+               "    port = s.getsockname()[1]\n"
+               "  assert distributed._arm_coordinator_abort(f'127.0.0.1:{port}', 500) is None\n"
+               "assert ctypes.CDLL(sys.argv[1]).start_noise() == 0\n"
+               "time.sleep(0.02)\n"
+               "distributed.exit_host_lost('the line')\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["armed", "plain"])
+def test_the_line_stays_last_while_other_threads_write(tmp_path, mode):
+  """Process 0 lost: JAX's abort message raced the exit and came after the line (seen in
+  CI). Nothing another thread writes after the line reaches stderr, with the abort
+  handler armed (the line written from C) or not."""
+  source = tmp_path / "noise.cc"
+  source.write_text(_NOISE_SOURCE)
+  library = native.build(source, ("-O2", "-shared", "-fPIC", "-pthread"))
+  for _ in range(3):
+    proc = subprocess.run([sys.executable, "-c", _NOISY_EXIT, str(library), mode], cwd=ROOT,
+                          env=_env(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == distributed.EXIT_HOST_LOST, proc.stderr[-300:]
+    assert "noise" in proc.stderr  # the noise ran
+    assert proc.stderr.count("the line") == 1, proc.stderr[-300:]
+    assert proc.stderr.endswith("\nthe line\n"), proc.stderr[-300:]
 
 
 # ------------------------------------------------------------------ the pieces
