@@ -21,6 +21,8 @@ trimmed to the longest proposal (`Speculative.trim_verify`).
 
 import dataclasses
 import functools
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ import pytest
 import exactness as ex
 from tiers import tiered
 from spec_decode import decoding
+from spec_decode.decoding import runner
 from spec_decode.decoding.algorithms.speculative import verify_sizes
 from spec_decode.decoding.drafters import layer_skip
 from spec_decode.decoding.drafters.lookup import (LookupDrafter, LookupTreeDrafter, lookup,
@@ -231,6 +234,71 @@ def test_greedy_equals_autoregressive(name):
   assert int(np.sum(st.accepted)) > 0  # the drafter did propose, and was right sometimes
   assert int(np.sum(st.target_calls)) < int(np.sum(ar.stats.target_calls))
   assert len({tuple(r) for r in np.asarray(ar.tokens)}) > G_N // 2
+
+
+@pytest.fixture
+def verify_form(monkeypatch):
+  """Sets `speculative.SWITCH_THROUGH_LOOPS` (read at trace time: caches cleared)."""
+  def set_form(loops):
+    monkeypatch.setattr(sys.modules[verify_sizes.__module__], "SWITCH_THROUGH_LOOPS", loops)
+    jax.clear_caches()
+  yield set_form
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", ["lookup_chain", "lookup_tree"])
+def test_trimmed_verify_through_loops_equals_the_switch(name, verify_form):
+  """The verify size chosen in while loops (the CPU default) and in a lax.switch give the
+  same tokens and statistics, greedy and sampled with the same keys."""
+  drafter, verifier, _, _ = GREEDY[name]
+  target, tp, _, enc, _ = _greedy_setup()
+  algo = decoding.Speculative(gamma=4, drafter=drafter, verifier=verifier)
+  got = {}
+  for loops in (True, False):
+    verify_form(loops)
+    for t in (0.0, 1.0):
+      got[loops, t] = decoding.run(algo, target, tp, enc, max_decode_len=G_L,
+                                   sampling=S(temperature=t), rng=jax.random.PRNGKey(3),
+                                   row_ids=np.arange(G_N))
+  for t in (0.0, 1.0):
+    a, b = got[True, t], got[False, t]
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for x, y in zip(jax.tree.leaves(a.stats), jax.tree.leaves(b.stats)):
+      np.testing.assert_array_equal(x, y)
+  assert len({int(n) for n in np.asarray(got[True, 0.0].stats.target_calls)}) > 1
+
+
+def _loop_cache_copies(algo, target, tp, enc):
+  """The copies of a whole self-attention K or V cache (G_L + gamma + 1 slots) in the
+  compiled decoding program, outside its entry computation (where the caches are made)."""
+  c = target.config
+  text = runner._unsharded_jit(()).lower(
+      tp, None, jnp.asarray(enc), None, jax.random.PRNGKey(0), np.arange(enc.shape[0]),
+      algorithm=algo, target=target, draft=None, max_decode_len=G_L,
+      sampling=S()).compile().as_text()
+  B = enc.shape[0]
+  copies, computation = [], None
+  for line in text.splitlines():
+    if line and not line.startswith(" "):
+      computation = line.split(" ")[0]
+    m = re.search(r"%[\w.-]+ = f32\[([\d,]+)\]\{[^}]*\} copy\(", line)
+    if m and computation != "ENTRY" and sorted(int(d) for d in m.group(1).split(",")) == \
+        sorted((B, c.num_heads, c.head_dim, G_L + algo.gamma + 1)):
+      copies.append(line.strip()[:80])
+  return copies
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_trimmed_verify_through_loops_copies_no_cache(B, verify_form):
+  """XLA gives a conditional's result a buffer of its own: with the verify size chosen in
+  a lax.switch, every iteration copied each layer's K and V cache (the control below);
+  through while loops, the cache stays in place."""
+  target, tp, _, enc, _ = _greedy_setup()
+  algo = decoding.Speculative(gamma=4, drafter=LookupDrafter())
+  verify_form(True)
+  assert _loop_cache_copies(algo, target, tp, enc[:B]) == []
+  verify_form(False)
+  assert len(_loop_cache_copies(algo, target, tp, enc[:B])) >= 2 * target.config.num_decoder_layers
 
 
 # ------------------------------------------------------------------------ exactness

@@ -258,9 +258,10 @@ class Speculative(runner.Algorithm):
     [B, K + 1], tree_mask [B, K + 1, K + 1]) for a tree). The proposal of a drafter that
     often proposes fewer than K tokens (`Drafter.varies_length`: a chain of `length`
     tokens, or a tree with its real nodes first) is scored on only the first
-    `verify_sizes` entry that holds 1 + the longest active row's proposal (a lax.switch
-    over those sizes; logits and states padded back to K + 1, never read past a row's
-    proposal), so a step where no row proposes anything costs one target step."""
+    `verify_sizes` entry that holds 1 + the longest active row's proposal (one call per
+    size, the chosen one run: `_switch_through_loops_call` on the CPU, else a lax.switch;
+    logits and states padded back to K + 1, never read past a row's proposal), so a step
+    where no row proposes anything costs one target step."""
     K1 = target_in.shape[1]
 
     def call(T):
@@ -283,8 +284,50 @@ class Speculative(runner.Algorithm):
     sizes = verify_sizes(K1 - 1)
     need = 1 + jnp.max(jnp.where(active, proposal.proposed, 0))
     index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need).astype(jnp.int32)
-    return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), [call(T) for T in sizes], cache,
-                          target_in)
+    index = jnp.minimum(index, len(sizes) - 1)
+    branches = [call(T) for T in sizes]
+    if not _switch_through_loops():
+      return jax.lax.switch(index, branches, cache, target_in)
+    return _switch_through_loops_call(index, branches, cache, target_in)
+
+
+# How `_verify_call` picks its verify size: None (the default) runs the chosen call in
+# while loops on the CPU backend and in a lax.switch elsewhere; True or False forces
+# loops or the switch (for A/B measurements). XLA gives a conditional's result a buffer
+# of its own, so every branch of a lax.switch that writes into the cache copies all of
+# it first; a while loop's carry keeps its buffer (`_switch_through_loops_call`).
+SWITCH_THROUGH_LOOPS: bool | None = None
+
+
+def _switch_through_loops() -> bool:
+  on = SWITCH_THROUGH_LOOPS
+  if on is None:
+    on = jax.default_backend() == "cpu"
+  if not isinstance(on, bool):
+    raise ValueError(f"SWITCH_THROUGH_LOOPS must be None, True or False, got {on!r}")
+  return on
+
+
+def _switch_through_loops_call(index, branches, cache, target_in):
+  """branches[index](cache, target_in), as `jax.lax.switch` gives it, with the cache
+  carried through one while loop per branch that runs its body once when the branch is
+  the chosen one and never otherwise. In place: with lax.switch, XLA copied every layer's
+  K and V cache once per step (the conditional's result gets a fresh buffer, and copy
+  insertion copies each branch's in-place writes out of its operand). The outputs other
+  than the cache start as zeros of the widest branch's shapes (all branches return the
+  same shapes)."""
+  shapes = jax.eval_shape(branches[-1], cache, target_in)
+  out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes).replace(cache=cache)
+  for i, branch in enumerate(branches):
+    runs = (index == i).astype(jnp.int32)  # the trip count: 1 for the chosen branch, else 0
+
+    def body(carry, branch=branch):
+      count, previous = carry
+      return count + 1, branch(previous.cache, target_in)
+
+    _, out = jax.lax.while_loop(lambda carry, runs=runs: carry[0] < runs, body,
+                                (jnp.int32(0), out))
+  return out
 
 
 def verify_sizes(K: int) -> tuple[int, ...]:
