@@ -298,7 +298,8 @@ def test_trimmed_verify_through_loops_copies_no_cache(B, verify_form):
   verify_form(True)
   assert _loop_cache_copies(algo, target, tp, enc[:B]) == []
   verify_form(False)
-  assert len(_loop_cache_copies(algo, target, tp, enc[:B])) >= 2 * target.config.num_decoder_layers
+  copies = _loop_cache_copies(algo, target, tp, enc[:B])
+  assert len(copies) >= 2 * target.config.num_decoder_layers
 
 
 # ------------------------------------------------------------------------ exactness
