@@ -268,6 +268,14 @@ def test_trimmed_verify_through_loops_equals_the_switch(name, verify_form):
   assert len({int(n) for n in np.asarray(got[True, 0.0].stats.target_calls)}) > 1
 
 
+def test_a_bad_switch_through_loops_setting_is_named(verify_form):
+  target, tp, _, enc, _ = _greedy_setup()
+  verify_form(1)
+  with pytest.raises(ValueError, match="speculative.SWITCH_THROUGH_LOOPS must be None, True"):
+    decoding.run(decoding.Speculative(gamma=4, drafter=LookupDrafter()), target, tp, enc,
+                 max_decode_len=G_L)
+
+
 def _loop_cache_copies(algo, target, tp, enc):
   """The copies of a whole self-attention K or V cache (G_L + gamma + 1 slots) in the
   compiled decoding program, outside its entry computation (where the caches are made)."""

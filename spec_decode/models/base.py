@@ -296,3 +296,14 @@ class ParamSpecs:
     raise ValueError(f"{what} params do not match its config ({type(self).__name__}, "
                      f"{self.num_params():,} parameters): " + "; ".join(p for p in parts if p)
                      + hint)
+
+
+def on_cpu_unless_set(value: bool | None, name: str) -> bool:
+  """A trace-time switch's value: `value` when set (True or False), else whether JAX's
+  default backend is the CPU (switches for XLA:CPU's sake, e.g.
+  `t5.ROWWISE_SELF_ATTENTION`). ValueError naming `name` for anything else."""
+  if value is None:
+    return jax.default_backend() == "cpu"
+  if not isinstance(value, bool):
+    raise ValueError(f"{name} must be None, True or False, got {value!r}")
+  return value

@@ -331,12 +331,7 @@ ROWWISE_SELF_ATTENTION: bool | None = None
 
 
 def _rowwise_self_attention() -> bool:
-  on = ROWWISE_SELF_ATTENTION
-  if on is None:
-    on = jax.default_backend() == "cpu"
-  if not isinstance(on, bool):
-    raise ValueError(f"t5.ROWWISE_SELF_ATTENTION must be None, True or False, got {on!r}")
-  return on
+  return base.on_cpu_unless_set(ROWWISE_SELF_ATTENTION, "t5.ROWWISE_SELF_ATTENTION")
 
 
 _SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION")

@@ -36,7 +36,7 @@ from spec_decode.decoding.sampling import Sampling
 from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
 from spec_decode.decoding.verifiers.base import Verifier
 from spec_decode.decoding.verifiers.chain import ChainVerifier, greedy_verdict
-from spec_decode.models.base import EOS_ID
+from spec_decode.models.base import EOS_ID, on_cpu_unless_set
 
 
 @flax.struct.dataclass
@@ -300,12 +300,7 @@ SWITCH_THROUGH_LOOPS: bool | None = None
 
 
 def _switch_through_loops() -> bool:
-  on = SWITCH_THROUGH_LOOPS
-  if on is None:
-    on = jax.default_backend() == "cpu"
-  if not isinstance(on, bool):
-    raise ValueError(f"SWITCH_THROUGH_LOOPS must be None, True or False, got {on!r}")
-  return on
+  return on_cpu_unless_set(SWITCH_THROUGH_LOOPS, "speculative.SWITCH_THROUGH_LOOPS")
 
 
 def _switch_through_loops_call(index, branches, cache, target_in):
