@@ -281,6 +281,17 @@ def test_missing_extra_names_the_extra():
                                               name="spec_decode.x"))  # a bug: traceback
 
 
+@pytest.mark.parametrize("message,want", [
+    ("ExperimentConfig.gamma must be an int >= 1, got 0\n  In call to configurable "
+     "'ExperimentConfig' (<class 'spec_decode.experiment.config.ExperimentConfig'>)",
+     "ValueError: ExperimentConfig.gamma must be an int >= 1, got 0"),
+    ("unsupported operand\n  In call to configurable 'Sampling' (<class 'x.Sampling'>)",
+     "ValueError: unsupported operand | in gin configurable Sampling"),
+])
+def test_gins_call_line_is_dropped_where_the_message_names_the_configurable(message, want):
+  assert cli.describe(ValueError(message)) == want
+
+
 def test_handler_exit_code_and_one_line(capsys):
   with pytest.raises(SystemExit) as exit_info:
     with cli.handle_errors("prog", verbose=False):

@@ -73,6 +73,25 @@ def is_known(error: BaseException) -> bool:
   return isinstance(error, KNOWN_ERRORS)
 
 
+# The line gin adds to an error raised inside a configurable's call.
+_GIN_CALL = re.compile(r"In call to configurable '([^']+)' \(<[^>]*>\)$")
+
+
+def _gin_call_lines(lines: list[str]) -> list[str]:
+  """`lines` with gin's "In call to configurable 'X' (<class ...>)" dropped where the
+  message already names X (the project's checks name the setting: 'X.field must be ..'),
+  else shortened to "in gin configurable X"."""
+  named = " ".join(line for line in lines if not _GIN_CALL.match(line))
+  out = []
+  for line in lines:
+    m = _GIN_CALL.match(line)
+    if m is None:
+      out.append(line)
+    elif m.group(1).rsplit("/", 1)[-1].rsplit(".", 1)[-1] not in named:
+      out.append(f"in gin configurable {m.group(1)}")
+  return out
+
+
 def describe(error: BaseException) -> str:
   """One line: the problem and, where known, the fix."""
   extra = missing_extra(error)
@@ -83,7 +102,7 @@ def describe(error: BaseException) -> str:
   text = str(error) or type(error).__name__
   if isinstance(error, OSError) and error.filename and error.strerror:
     text = f"{error.strerror}: {error.filename}"
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  lines = _gin_call_lines([line.strip() for line in text.splitlines() if line.strip()])
   return f"{type(error).__name__}: " + " | ".join(lines)
 
 
