@@ -326,8 +326,13 @@ def _one_row_as_two() -> bool | str:
 # dropped, a duplicate of that write, each needing its own copy of the whole cache (the big
 # EnDe target with a 48-slot cache: 64 copies, 4.7 MB, per step). At batch 8, or with 5
 # tokens, nothing is copied, and those keep the dots. Summed multiplies read the cache as it
-# lies (tests/test_t5.py). None: on the CPU backend only; read when a function is traced.
-ROWWISE_SELF_ATTENTION: bool | None = None
+# lies (tests/test_t5.py), and a step timed alone got faster (the big EnDe target: 1.90 ->
+# 1.72 ms median), but end to end the speculative decoders got slower: on 16 EnDe test
+# examples, alternating in one process (AMD EPYC), the small draft's decoder 0.386 -> 0.421 s
+# and the exit adapter's 0.405 -> 0.443 s (median of 3 rounds), while the autoregressive
+# decoder moved within the rounds' spread. So it is off by default; None: on the CPU
+# backend only; read when a function is traced.
+ROWWISE_SELF_ATTENTION: bool | None = False
 
 
 def _rowwise_self_attention() -> bool:
