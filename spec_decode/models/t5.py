@@ -173,8 +173,8 @@ class DecodeCache(base.LengthCache):
   caches where they lie. With positions before heads (T5X's [B, L, N, H]) XLA
   copies every layer's whole K and V cache into that layout on every decode
   call: measured on the 2-core CPU, 3.7 of 33 ms of a 45.6M model's 5-token
-  step at batch 8, plus slower products. (A one-token step at batch 1 reads them
-  with summed multiplies on the CPU: `ROWWISE_SELF_ATTENTION`.)
+  step at batch 8, plus slower products. (A one-token step at batch 1 with dots is the
+  exception: XLA:CPU copies its caches; `ROWWISE_SELF_ATTENTION`, off by default.)
   encoder_mask:     [B, S] bool.
   lengths:          [B] int32, tokens already in the cache per row.
   """
