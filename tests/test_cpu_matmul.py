@@ -26,6 +26,30 @@ def test_kernel_builds_on_cpu():
   assert cpu_matmul.unavailable_reason() is None
 
 
+# Instruction sets the kernel's source must build for, whatever CPU runs the tests: the
+# machines it meets range from AVX2-only EPYCs to Xeons with AVX512-BF16 and AMX, and
+# `-march=native` builds only the host's variants, so a variant that breaks another
+# CPU's build would pass here unseen.
+ISA_FLAGS = {
+    "x86-64 (vector extensions only)": ["-march=x86-64"],
+    "AVX2 + FMA": ["-march=x86-64-v3"],
+    "AVX-512": ["-march=x86-64-v4"],
+    "AVX-512 + AVX512-BF16": ["-march=x86-64-v4", "-mavx512bf16"],
+}
+
+
+@needs_kernel
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("isa", list(ISA_FLAGS))
+def test_kernel_source_builds_for_every_x86_instruction_set(isa):
+  compiler = shutil.which("g++") or shutil.which("c++")
+  flags = [f for f in cpu_matmul._FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+  result = subprocess.run(
+      [compiler, *flags, *ISA_FLAGS[isa], "-fsyntax-only", f"-I{jax.ffi.include_dir()}",
+       str(cpu_matmul._SOURCE)], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_pack_round_trip_and_layout():
   w = np.arange(24 * 40, dtype=np.float32).reshape(24, 40)
   p = cpu_matmul.pack(w)

@@ -469,6 +469,24 @@ void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t
   g_split.call_ns += end - shared->start_ns;
 }
 
+// The bfloat16 dot-product products (x rounded to bfloat16 pairs, K even) of `panels`
+// [P, K / 2, 16, 2]; false, doing nothing, where this build lacks AVX512-BF16 (the pair
+// blocks exist only there, so no other build instantiates them).
+bool RunPairs(const float* x, const void* panels, float* y, int64_t M, int64_t K, int64_t N,
+              Variant variant, int64_t num_panels, int64_t helpers, ffi::ThreadPool* pool) {
+#ifdef __AVX512BF16__
+  const std::vector<uint32_t> xp = PairRows(x, M, K / 2);
+  Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
+  problem.xpairs = xp.data();
+  Run(problem, variant, num_panels, helpers, pool);
+  return true;
+#else
+  (void)x, (void)panels, (void)y, (void)M, (void)K, (void)N, (void)variant, (void)num_panels,
+      (void)helpers, (void)pool;
+  return false;
+#endif
+}
+
 // x's rows RMS-normalized and scaled, as T5's norm before a projection: row * rsqrt(mean(row^2)
 // + eps) * scale (the sum of squares in double), so a norm and the product after it are one
 // call. Each row's result depends on that row only.
@@ -529,10 +547,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::Any
     if (type != ffi::DataType::BF16 || scales != nullptr || !kHaveDot)
       return ffi::Error::InvalidArgument(
           "small_m_matmul: pair panels need bfloat16 weights and a CPU with AVX512-BF16");
-    const std::vector<uint32_t> xp = PairRows(xin, M, K / 2);
-    Problem<Pair> problem{nullptr, static_cast<const Pair*>(w), nullptr, out, M, K / 2, N};
-    problem.xpairs = xp.data();
-    Run(problem, variant, num_panels, helpers, &pool);
+    RunPairs(xin, w, out, M, K, N, variant, num_panels, helpers, &pool);
   } else if (type == ffi::DataType::F32 && scales == nullptr) {
     Run(Problem<float>{xin, static_cast<const float*>(w), nullptr, out, M, K, N},
         variant, num_panels, helpers, &pool);
@@ -683,11 +698,8 @@ int spec_decode_matmul(const float* x, const void* panels, const float* scales, 
   } else if (dtype == 2 && scales != nullptr) {
     Run(Problem<int8_t>{x, static_cast<const int8_t*>(panels), scales, y, M, K, N}, variant,
         num_panels, 0, nullptr);
-  } else if (dtype == 3 && kHaveDot && K % 2 == 0) {
-    const std::vector<uint32_t> xp = PairRows(x, M, K / 2);
-    Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
-    problem.xpairs = xp.data();
-    Run(problem, variant, num_panels, 0, nullptr);
+  } else if (dtype == 3 && K % 2 == 0) {
+    if (!RunPairs(x, panels, y, M, K, N, variant, num_panels, 0, nullptr)) return -1;
   } else {
     return -1;
   }
