@@ -31,14 +31,19 @@ from experiments.harness import Column, Output, fmt
 DEFAULT_TOKENS = "1,2,3,4,5,6,8,12,16"
 
 
-def cpu_family(model: str) -> str:
-  """'amd_epyc', 'intel_xeon', ... from a CPU model name (the result file's suffix)."""
+def cpu_family(model: str, features: Sequence[str] = ()) -> str:
+  """'amd_epyc_avx512', 'intel_xeon_avx512', 'amd_epyc_avx2', ... from a CPU model name and
+  its features (the result file's suffix): the maker's line, then the widest vectors the
+  kernel can use, which set its variants (one name covers CPUs of several kinds)."""
   m = model.lower()
+  name = re.sub(r"[^a-z0-9]+", "_", m.split("(")[0]).strip("_") or "cpu"
   for key, family in (("epyc", "amd_epyc"), ("xeon", "intel_xeon"), ("ryzen", "amd_ryzen"),
                       ("core", "intel_core")):
     if key in m:
-      return family
-  return re.sub(r"[^a-z0-9]+", "_", m).strip("_") or "cpu"
+      name = family
+      break
+  width = next((w for f, w in (("avx512f", "avx512"), ("avx2", "avx2")) if f in features), "")
+  return f"{name}_{width}" if width else name
 
 
 def _decoder_cost(params) -> tuple[int, int]:
@@ -196,7 +201,8 @@ def run(args, meta: dict) -> Output:
            "'time / bound' >= 1 by their share.",
            "variant: the kernel variant (vector width, p = software prefetch) chosen for most "
            "weight shapes at that row count."]
-  stem = f"roofline_{cpu_family(info['model'])}" + (f"_{args.name}" if args.name else "")
+  stem = (f"roofline_{cpu_family(info['model'], info['features'])}"
+          + (f"_{args.name}" if args.name else ""))
   return Output(stem, f"Decode step against the roofline ({info['model']})", cols, rows,
                 notes=notes)
 

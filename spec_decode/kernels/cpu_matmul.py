@@ -241,15 +241,26 @@ FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", 
 
 @functools.lru_cache(maxsize=None)
 def cpu_info() -> dict[str, Any]:
-  """{'model': the CPU's model name, 'features': those of FEATURES it has}."""
+  """{'model': the CPU's model name, 'features': those of FEATURES it has}. An x86 model
+  name is followed by its family and model numbers ("AMD EPYC (family 25, model 1)"): a
+  virtual machine's name can omit the generation, and two generations of one name differ
+  in what the kernel can use (a family-25 EPYC of model 1 has AVX2 only, of model 17
+  AVX-512)."""
   model = platform.processor() or platform.machine()
+  numbers = {}
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        model = line.split(":", 1)[1].strip()
+      key, _, value = (part.strip() for part in line.partition(":"))
+      if key == "processor" and numbers:  # the first CPU's lines only
         break
+      if key == "model name":
+        model = value
+      elif key in ("cpu family", "model"):
+        numbers[key] = value
   except OSError:
     pass
+  if "cpu family" in numbers and "model" in numbers:
+    model = f"{model} (family {numbers['cpu family']}, model {numbers['model']})"
   flags = set(_cpu_flags().split(":", 1)[-1].split())
   return {"model": model, "features": [f for f in FEATURES if f in flags]}
 
