@@ -859,3 +859,30 @@ def test_gpu_demo_script_carries_the_target_in_two_calls(tmp_path):
   assert not (tmp_path / "tree" / "demo_models").exists()
   assert run("stash").returncode == 0
   assert (tmp_path / "stash" / "ende_target_big" / "checkpoint").read_text() == "first half"
+
+
+def test_roofline_files_are_named_by_maker_and_vector_width():
+  """Two CPUs of one model name (a virtual machine's "AMD EPYC") with different vector
+  widths get result files of their own."""
+  from experiments import roofline
+  assert roofline.cpu_family("AMD EPYC (family 25, model 1)", ["avx2", "fma"]) == "amd_epyc_avx2"
+  assert roofline.cpu_family("AMD EPYC (family 25, model 17)",
+                             ["avx2", "fma", "avx512f", "avx512_bf16"]) == "amd_epyc_avx512"
+  assert roofline.cpu_family("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (family 6, model "
+                             "143)", ["avx2", "avx512f", "amx_tile"]) == "intel_xeon_avx512"
+  assert roofline.cpu_family("Neoverse-V2", []) == "neoverse_v2"
+
+
+def test_cpu_model_names_its_x86_family_and_model():
+  from spec_decode.kernels import cpu_matmul
+  try:
+    text = open("/proc/cpuinfo").read()
+  except OSError:
+    pytest.skip("no /proc/cpuinfo")
+  first = text.split("\n\n")[0]
+  fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  if "cpu family" not in fields:
+    pytest.skip("not an x86 /proc/cpuinfo")
+  assert cpu_matmul.cpu_info()["model"] == (
+      f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})")
