@@ -248,10 +248,12 @@ def cpu_info() -> dict[str, Any]:
   AVX-512)."""
   model = platform.processor() or platform.machine()
   numbers = {}
+  processors = 0
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
       key, _, value = (part.strip() for part in line.partition(":"))
-      if key == "processor" and numbers:  # the first CPU's lines only
+      processors += key == "processor"
+      if processors > 1:  # the first CPU's lines only
         break
       if key == "model name":
         model = value
