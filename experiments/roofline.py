@@ -105,7 +105,7 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
       for n in args.tokens:
         rows_n = batch * n
         variant = _variant_used(rows_n)
-        peak = peaks[int(variant.rstrip("p"))]
+        peak = peaks[cpu_matmul.variant_width(variant)]
         flops = 2.0 * macs * rows_n
         bound = max(nbytes / (bw * 1e9), flops / (peak * 1e9))
         rows.append({"weights": weights, "decoder_mib": nbytes / 2 ** 20, "batch": batch,
@@ -138,9 +138,9 @@ def _variant_used(rows: int) -> str:
   from spec_decode.kernels import cpu_matmul
   if os.environ.get(cpu_matmul.ENV_VARIANT):
     return os.environ[cpu_matmul.ENV_VARIANT]
-  bucket = 1 << max(0, rows - 1).bit_length()
+  tuned = cpu_matmul.tuning_rows(rows)
   chosen = [v for key, v in cpu_matmul.describe().get("chosen_variants", {}).items()
-            if key.startswith(f"{bucket}x")]
+            if key.startswith(f"{tuned}x")]
   return collections.Counter(chosen).most_common(1)[0][0] if chosen else "8"
 
 

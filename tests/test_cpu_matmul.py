@@ -265,6 +265,40 @@ def _operands(m, k, n, seed=0):
   return x, w
 
 
+def test_tuning_rows():
+  # few rows each timed at their count (the kernel's blocks differ by count), more rows in
+  # power-of-two buckets timed at the top, all buckets above TUNE_MAX_ROWS as one
+  assert [cpu_matmul.tuning_rows(m) for m in (0, 1, 5, 8, 16)] == [1, 1, 5, 8, 16]
+  assert [cpu_matmul.tuning_rows(m) for m in (17, 32, 33, 40, 160)] == [32, 32, 64, 64, 256]
+  assert cpu_matmul.tuning_rows(10 ** 6) == cpu_matmul.TUNE_MAX_ROWS
+
+
+def test_variant_names_and_codes():
+  # every width with each option (registers, prefetch), one attribute code each
+  names = [f"{w}{o}" for w in (8, 16) for o in cpu_matmul.VARIANT_OPTIONS]
+  assert names == ["8", "8p", "8r", "8rp", "16", "16p", "16r", "16rp"]
+  codes = [cpu_matmul._variant_code(v) for v in names]
+  assert codes == [32, 33, 34, 35, 64, 65, 66, 67]
+  assert [cpu_matmul.variant_width(v) for v in names] == [8] * 4 + [16] * 4
+
+
+@needs_kernel
+def test_the_kernel_reads_the_width_from_every_code():
+  # the C side decodes the same code: a width this build lacks is refused with each option
+  x, w = _operands(2, 32, 16)
+  p = cpu_matmul.pack(w, "float32")
+  for option in cpu_matmul.VARIANT_OPTIONS:
+    for width in (8, 16):
+      variant = f"{width}{option}"
+      if width in cpu_matmul.widths():
+        np.testing.assert_allclose(
+            cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n, variant), x @ w,
+            rtol=1e-5, atol=1e-5)
+      else:
+        with pytest.raises(ValueError, match=f"variant {variant} "):
+          cpu_matmul.raw_matmul(x, np.asarray(p.panels), None, p.n, variant)
+
+
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 5, 13, 40, 160])
 def test_bfloat16_panels_give_the_float32_bits_in_every_variant(m):
@@ -382,14 +416,14 @@ def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   assert variant in cpu_matmul.variants()
   # measured once, then read back from the cache file
   saved = json.loads(next(tmp_path.glob("variants_*.json")).read_text())
-  assert saved == {"4x96x200:bfloat16": variant}  # rows 3: the bucket of 3-4 rows
+  assert saved == {"3x96x200:bfloat16": variant}  # few rows: timed at their own count
   monkeypatch.setattr(cpu_matmul, "_CHOSEN", {})
   monkeypatch.setattr(cpu_matmul, "time_variants", None)  # a second measurement would fail
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == variant
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "8")
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == "8"
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "12")
-  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_VARIANT} must be 8, 8p, 16 or 16p"):
+  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_VARIANT} must be one of 8, 8p, 8r, 8rp, 16"):
     cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
   if 16 not in cpu_matmul.widths():
     monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "16p")

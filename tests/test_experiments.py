@@ -886,3 +886,31 @@ def test_cpu_model_names_its_x86_family_and_model():
     pytest.skip("not an x86 /proc/cpuinfo")
   assert cpu_matmul.cpu_info()["model"] == (
       f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})")
+
+
+# ------------------------------------------------------------------ kernel variants
+def test_kernel_variants_times_every_variant_at_every_row_count(tmp_path):
+  from experiments import kernel_variants
+  from spec_decode.kernels import cpu_matmul
+  if cpu_matmul.describe()["kernel"] != "on":
+    pytest.skip("the CPU kernel is off here")
+  paths = kernel_variants.main(["--target", "demo:ende_target", "--rows", "1,3",
+                                "--kernel_weights", "float32", "--repeats", "1",
+                                "--name", "tiny", "--results_dir", str(tmp_path)])
+  doc = json.loads(open(paths["json"]).read())
+  rows = doc["rows"]
+  assert [r["rows"] for r in rows] == [1, 3] and rows[0]["t_ratio"] == 1.0
+  for r in rows:
+    times = {v: r[f"ms_{v}"] for v in cpu_matmul.variants()}
+    assert all(t > 0 for t in times.values())
+    assert r["best"] == min(times, key=times.get) and r[f"over_{r['best']}"] == 1.0
+  family = os.path.basename(paths["md"])
+  assert family.startswith("kernel_variants_") and family.endswith("_tiny.md")
+  # the decoder's matrices by shape: every packed matrix of the decoder counted once
+  models = kernel_variants.harness.load_models("demo:ende_target")
+  packed = models.target.decode_params(models.target_params)
+  shapes = kernel_variants.decoder_shapes(packed)
+  leaves = [x for x in jax.tree_util.tree_leaves(
+      packed["decoder"], is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel))
+      if isinstance(x, cpu_matmul.PackedKernel)]
+  assert sum(shapes.values()) == len(leaves) > 0

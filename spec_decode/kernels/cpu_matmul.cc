@@ -13,7 +13,8 @@
 //  16: 16-wide vectors, up to 6 rows x 4 panels or 12 rows x 2 panels per block (32
 //      registers: AVX-512), built only when the compiler targets AVX-512F (the host's
 //      -march=native);
-// each with or without software prefetch of the panels ahead of the hardware prefetcher.
+// each with or without its weight vectors held in registers (`InRegister`) and with or
+// without software prefetch of the panels ahead of the hardware prefetcher.
 // With AVX512-BF16, bfloat16 weights can also run as dot products (see DotBlock16).
 // bfloat16 and int8 weights are widened to float32 in registers (exactly), so a
 // bfloat16 matrix gives the bits of its float32 copy at half the bytes read.
@@ -84,6 +85,21 @@ constexpr int Lanes() { return sizeof(V) / sizeof(float); }
 template <typename V>
 inline V Bits(const void* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
 
+// Holds v in a vector register from here on: an empty asm that reads and writes it, so the
+// compiler cannot fold v's load into each multiply-add that uses it (a block of R rows
+// would then load every weight vector R times, and on some CPUs the load ports, not the
+// FMA units, set the pace). The 'r' variants do this with their weights.
+template <typename V>
+inline void InRegister(V& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 // Lanes<V>() weights of type T at p as a float vector (exact for every T).
 template <typename V, typename T> struct Widen;
 template <typename V> struct Widen<V, float> {
@@ -148,7 +164,7 @@ struct Pair { uint16_t v[2]; };
 // (stride N), the first `cols` (<= 16 P) columns. Few rows take several panels at once so
 // that enough independent accumulator chains cover the FMA latency; the order of the sum
 // over k is the same for every P, R and vector width.
-template <typename V, typename T, int R, int P, bool PF>
+template <typename V, typename T, int R, int P, bool PF, bool PIN>
 void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
   constexpr int B = kPanel / Lanes<V>();  // vectors per panel row
   const int64_t K = p.K;
@@ -163,8 +179,10 @@ void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
     const int64_t ahead = std::min(k + ahead_k, K - 1);
     for (int q = 0; q < P; ++q) {
       if constexpr (PF) __builtin_prefetch(panels + (q * K + ahead) * kPanel);
-      for (int b = 0; b < B; ++b)
+      for (int b = 0; b < B; ++b) {
         w[q * B + b] = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
+        if constexpr (PIN) InRegister(w[q * B + b]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const V xv = x[r * K + k] - V{};
@@ -198,29 +216,33 @@ struct Blocks {
   BlockFn<T> single[kMaxRowBlock + 1];
 };
 
-template <typename T, bool PF>
+template <typename T, bool PF, bool PIN>
 constexpr Blocks<f32x8, T> kBlocks8 = {
     6,  // 16 registers: at least 8 accumulator chains, at most 12
     {0, 4, 2, 2, 1, 1, 1},
-    {nullptr, Block<f32x8, T, 1, 4, PF>, Block<f32x8, T, 2, 2, PF>, Block<f32x8, T, 3, 2, PF>,
-     Block<f32x8, T, 4, 1, PF>, Block<f32x8, T, 5, 1, PF>, Block<f32x8, T, 6, 1, PF>},
-    {nullptr, Block<f32x8, T, 1, 1, PF>, Block<f32x8, T, 2, 1, PF>, Block<f32x8, T, 3, 1, PF>,
-     Block<f32x8, T, 4, 1, PF>, Block<f32x8, T, 5, 1, PF>, Block<f32x8, T, 6, 1, PF>}};
+    {nullptr, Block<f32x8, T, 1, 4, PF, PIN>, Block<f32x8, T, 2, 2, PF, PIN>,
+     Block<f32x8, T, 3, 2, PF, PIN>, Block<f32x8, T, 4, 1, PF, PIN>,
+     Block<f32x8, T, 5, 1, PF, PIN>, Block<f32x8, T, 6, 1, PF, PIN>},
+    {nullptr, Block<f32x8, T, 1, 1, PF, PIN>, Block<f32x8, T, 2, 1, PF, PIN>,
+     Block<f32x8, T, 3, 1, PF, PIN>, Block<f32x8, T, 4, 1, PF, PIN>,
+     Block<f32x8, T, 5, 1, PF, PIN>, Block<f32x8, T, 6, 1, PF, PIN>}};
 #ifdef __AVX512F__
-template <typename T, bool PF>
+template <typename T, bool PF, bool PIN>
 constexpr Blocks<f32x16, T> kBlocks16 = {
     12,  // 32 registers: up to 24 accumulators (6 rows x 4 panels, 12 x 2)
     {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
-    {nullptr, Block<f32x16, T, 1, 4, PF>, Block<f32x16, T, 2, 4, PF>,
-     Block<f32x16, T, 3, 4, PF>, Block<f32x16, T, 4, 4, PF>, Block<f32x16, T, 5, 4, PF>,
-     Block<f32x16, T, 6, 4, PF>, Block<f32x16, T, 7, 2, PF>, Block<f32x16, T, 8, 2, PF>,
-     Block<f32x16, T, 9, 2, PF>, Block<f32x16, T, 10, 2, PF>, Block<f32x16, T, 11, 2, PF>,
-     Block<f32x16, T, 12, 2, PF>},
-    {nullptr, Block<f32x16, T, 1, 1, PF>, Block<f32x16, T, 2, 1, PF>,
-     Block<f32x16, T, 3, 1, PF>, Block<f32x16, T, 4, 1, PF>, Block<f32x16, T, 5, 1, PF>,
-     Block<f32x16, T, 6, 1, PF>, Block<f32x16, T, 7, 1, PF>, Block<f32x16, T, 8, 1, PF>,
-     Block<f32x16, T, 9, 1, PF>, Block<f32x16, T, 10, 1, PF>, Block<f32x16, T, 11, 1, PF>,
-     Block<f32x16, T, 12, 1, PF>}};
+    {nullptr, Block<f32x16, T, 1, 4, PF, PIN>, Block<f32x16, T, 2, 4, PF, PIN>,
+     Block<f32x16, T, 3, 4, PF, PIN>, Block<f32x16, T, 4, 4, PF, PIN>,
+     Block<f32x16, T, 5, 4, PF, PIN>, Block<f32x16, T, 6, 4, PF, PIN>,
+     Block<f32x16, T, 7, 2, PF, PIN>, Block<f32x16, T, 8, 2, PF, PIN>,
+     Block<f32x16, T, 9, 2, PF, PIN>, Block<f32x16, T, 10, 2, PF, PIN>,
+     Block<f32x16, T, 11, 2, PF, PIN>, Block<f32x16, T, 12, 2, PF, PIN>},
+    {nullptr, Block<f32x16, T, 1, 1, PF, PIN>, Block<f32x16, T, 2, 1, PF, PIN>,
+     Block<f32x16, T, 3, 1, PF, PIN>, Block<f32x16, T, 4, 1, PF, PIN>,
+     Block<f32x16, T, 5, 1, PF, PIN>, Block<f32x16, T, 6, 1, PF, PIN>,
+     Block<f32x16, T, 7, 1, PF, PIN>, Block<f32x16, T, 8, 1, PF, PIN>,
+     Block<f32x16, T, 9, 1, PF, PIN>, Block<f32x16, T, 10, 1, PF, PIN>,
+     Block<f32x16, T, 11, 1, PF, PIN>, Block<f32x16, T, 12, 1, PF, PIN>}};
 #endif
 
 // Panels [j0, j1) for every row block; a group of kGroup panels is read from memory once
@@ -245,13 +267,15 @@ void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t
   }
 }
 
-// A variant: the vector width (8 or 16 floats) and whether blocks prefetch their panels
-// ahead of the hardware prefetcher (which helps on some CPUs and costs on others). Every
-// variant computes the same bits. Passed as one int: 2 x width + prefetch.
+// A variant: the vector width (8 or 16 floats), whether blocks hold their weight vectors in
+// registers (`InRegister`) and whether they prefetch their panels ahead of the hardware
+// prefetcher (each helps on some CPUs and row counts and costs on others). Every variant
+// computes the same bits. Passed as one int: 4 x width + 2 x registers + prefetch.
 struct Variant {
   int64_t width;
-  bool prefetch;
-  static Variant Of(int64_t code) { return {code / 2, (code & 1) != 0}; }
+  bool pin, prefetch;
+  static Variant Of(int64_t code) { return {code / 4, (code & 2) != 0, (code & 1) != 0}; }
+  int Index() const { return 2 * pin + prefetch; }  // into a table of the 4 options
 };
 
 bool HaveWidth(int64_t width) {
@@ -261,15 +285,30 @@ bool HaveWidth(int64_t width) {
   return width == 8;
 }
 
+template <typename V, typename T, const Blocks<V, T>& kTable>
+void PanelsOf(const Problem<T>& p, int64_t j0, int64_t j1) {
+  Panels(kTable, p, j0, j1);
+}
+
+template <typename T>
+using RangeFn = void (*)(const Problem<T>&, int64_t, int64_t);
+
 template <typename T>
 void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
 #ifdef __AVX512F__
   if (v.width == 16) {
-    return v.prefetch ? Panels(kBlocks16<T, true>, p, j0, j1)
-                      : Panels(kBlocks16<T, false>, p, j0, j1);
+    static constexpr RangeFn<T> kWide[] = {
+        PanelsOf<f32x16, T, kBlocks16<T, false, false>>,
+        PanelsOf<f32x16, T, kBlocks16<T, true, false>>,
+        PanelsOf<f32x16, T, kBlocks16<T, false, true>>,
+        PanelsOf<f32x16, T, kBlocks16<T, true, true>>};
+    return kWide[v.Index()](p, j0, j1);
   }
 #endif
-  return v.prefetch ? Panels(kBlocks8<T, true>, p, j0, j1) : Panels(kBlocks8<T, false>, p, j0, j1);
+  static constexpr RangeFn<T> kNarrow[] = {
+      PanelsOf<f32x8, T, kBlocks8<T, false, false>>, PanelsOf<f32x8, T, kBlocks8<T, true, false>>,
+      PanelsOf<f32x8, T, kBlocks8<T, false, true>>, PanelsOf<f32x8, T, kBlocks8<T, true, true>>};
+  return kNarrow[v.Index()](p, j0, j1);
 }
 
 #ifdef __AVX512BF16__
@@ -277,7 +316,7 @@ void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
 // x[2 kk] W[2 kk, n] + x[2 kk + 1] W[2 kk + 1, n] to a float32 accumulator (VDPBF16PS:
 // round to nearest even, denormals flushed), kk in order: twice the multiply-adds of a
 // float32 FMA per instruction, the same bits for every row count and both widths.
-template <int R, int P, bool PF>
+template <int R, int P, bool PF, bool PIN>
 void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   const int64_t K2 = p.K;
   const uint32_t* x = p.xpairs + m * K2;
@@ -292,6 +331,7 @@ void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
     for (int q = 0; q < P; ++q) {
       if constexpr (PF) __builtin_prefetch(panels + (q * K2 + ahead) * kPanel);
       w[q] = (__m512bh)_mm512_loadu_si512(panels + (q * K2 + kk) * kPanel);
+      if constexpr (PIN) InRegister(w[q]);
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K2 + kk]);
@@ -306,7 +346,7 @@ void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   }
 }
 
-template <int R, int P, bool PF>
+template <int R, int P, bool PF, bool PIN>
 void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   const int64_t K2 = p.K;
   const uint32_t* x = p.xpairs + m * K2;
@@ -323,6 +363,10 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
       const Pair* row = panels + (q * K2 + kk) * kPanel;
       w[2 * q] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
       w[2 * q + 1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8));
+      if constexpr (PIN) {
+        InRegister(w[2 * q]);
+        InRegister(w[2 * q + 1]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m256bh xv = (__m256bh)_mm256_set1_epi32(x[r * K2 + kk]);
@@ -337,34 +381,43 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
   }
 }
 
-template <bool PF>
+template <bool PF, bool PIN>
 const Blocks<__m512, Pair> kDotBlocks16 = {
     12,
     {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
-    {nullptr, DotBlock16<1, 4, PF>, DotBlock16<2, 4, PF>, DotBlock16<3, 4, PF>,
-     DotBlock16<4, 4, PF>, DotBlock16<5, 4, PF>, DotBlock16<6, 4, PF>, DotBlock16<7, 2, PF>,
-     DotBlock16<8, 2, PF>, DotBlock16<9, 2, PF>, DotBlock16<10, 2, PF>, DotBlock16<11, 2, PF>,
-     DotBlock16<12, 2, PF>},
-    {nullptr, DotBlock16<1, 1, PF>, DotBlock16<2, 1, PF>, DotBlock16<3, 1, PF>,
-     DotBlock16<4, 1, PF>, DotBlock16<5, 1, PF>, DotBlock16<6, 1, PF>, DotBlock16<7, 1, PF>,
-     DotBlock16<8, 1, PF>, DotBlock16<9, 1, PF>, DotBlock16<10, 1, PF>, DotBlock16<11, 1, PF>,
-     DotBlock16<12, 1, PF>}};
-template <bool PF>
+    {nullptr, DotBlock16<1, 4, PF, PIN>, DotBlock16<2, 4, PF, PIN>, DotBlock16<3, 4, PF, PIN>,
+     DotBlock16<4, 4, PF, PIN>, DotBlock16<5, 4, PF, PIN>, DotBlock16<6, 4, PF, PIN>,
+     DotBlock16<7, 2, PF, PIN>, DotBlock16<8, 2, PF, PIN>, DotBlock16<9, 2, PF, PIN>,
+     DotBlock16<10, 2, PF, PIN>, DotBlock16<11, 2, PF, PIN>, DotBlock16<12, 2, PF, PIN>},
+    {nullptr, DotBlock16<1, 1, PF, PIN>, DotBlock16<2, 1, PF, PIN>, DotBlock16<3, 1, PF, PIN>,
+     DotBlock16<4, 1, PF, PIN>, DotBlock16<5, 1, PF, PIN>, DotBlock16<6, 1, PF, PIN>,
+     DotBlock16<7, 1, PF, PIN>, DotBlock16<8, 1, PF, PIN>, DotBlock16<9, 1, PF, PIN>,
+     DotBlock16<10, 1, PF, PIN>, DotBlock16<11, 1, PF, PIN>, DotBlock16<12, 1, PF, PIN>}};
+template <bool PF, bool PIN>
 const Blocks<__m256, Pair> kDotBlocks8 = {
     6,
     {0, 4, 2, 2, 1, 1, 1},
-    {nullptr, DotBlock8<1, 4, PF>, DotBlock8<2, 2, PF>, DotBlock8<3, 2, PF>, DotBlock8<4, 1, PF>,
-     DotBlock8<5, 1, PF>, DotBlock8<6, 1, PF>},
-    {nullptr, DotBlock8<1, 1, PF>, DotBlock8<2, 1, PF>, DotBlock8<3, 1, PF>, DotBlock8<4, 1, PF>,
-     DotBlock8<5, 1, PF>, DotBlock8<6, 1, PF>}};
+    {nullptr, DotBlock8<1, 4, PF, PIN>, DotBlock8<2, 2, PF, PIN>, DotBlock8<3, 2, PF, PIN>,
+     DotBlock8<4, 1, PF, PIN>, DotBlock8<5, 1, PF, PIN>, DotBlock8<6, 1, PF, PIN>},
+    {nullptr, DotBlock8<1, 1, PF, PIN>, DotBlock8<2, 1, PF, PIN>, DotBlock8<3, 1, PF, PIN>,
+     DotBlock8<4, 1, PF, PIN>, DotBlock8<5, 1, PF, PIN>, DotBlock8<6, 1, PF, PIN>}};
 
 template <>
 void Range<Pair>(const Problem<Pair>& p, Variant v, int64_t j0, int64_t j1) {
   if (v.width == 16) {
-    return v.prefetch ? Panels(kDotBlocks16<true>, p, j0, j1)
-                      : Panels(kDotBlocks16<false>, p, j0, j1);
+    static constexpr RangeFn<Pair> kWide[] = {
+        PanelsOf<__m512, Pair, kDotBlocks16<false, false>>,
+        PanelsOf<__m512, Pair, kDotBlocks16<true, false>>,
+        PanelsOf<__m512, Pair, kDotBlocks16<false, true>>,
+        PanelsOf<__m512, Pair, kDotBlocks16<true, true>>};
+    return kWide[v.Index()](p, j0, j1);
   }
-  return v.prefetch ? Panels(kDotBlocks8<true>, p, j0, j1) : Panels(kDotBlocks8<false>, p, j0, j1);
+  static constexpr RangeFn<Pair> kNarrow[] = {
+      PanelsOf<__m256, Pair, kDotBlocks8<false, false>>,
+      PanelsOf<__m256, Pair, kDotBlocks8<true, false>>,
+      PanelsOf<__m256, Pair, kDotBlocks8<false, true>>,
+      PanelsOf<__m256, Pair, kDotBlocks8<true, true>>};
+  return kNarrow[v.Index()](p, j0, j1);
 }
 
 constexpr bool kHaveDot = true;
@@ -679,8 +732,8 @@ int64_t spec_decode_widths() {
   return widths;
 }
 
-// The kernel's products on raw pointers in the calling thread, with variant 2 x width +
-// prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot
+// The kernel's products on raw pointers in the calling thread, with variant 4 x width +
+// 2 x registers + prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot
 // products; K even). Returns 0, or -1 for a variant or dtype it lacks.
 int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
                        int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t variant_code) {

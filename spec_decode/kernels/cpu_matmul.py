@@ -21,10 +21,13 @@ the bytes (`pack(weights="auto")` picks it for such matrices); int8 with a float
 scale per column (an option: the products change by the quantization).
 
 Variants: 8-wide vectors (AVX2) always, 16-wide (AVX-512) where the compiler targets
-AVX-512F, each with or without software prefetch of the panels ahead of the hardware
-prefetcher: '8', '8p', '16', '16p'. All give the same bits; which is fastest depends on
-the CPU, the weights and the number of rows (on one AMD EPYC, prefetching cost a third
-of the bandwidth at 1 row and gained a fifth at 5 rows of 8-wide), so the first product
+AVX-512F, each with or without weight vectors held in registers ('r': otherwise the
+compiler may fold a weight's load into every row's multiply-add, and a block of rows
+then waits on the load ports) and with or without software prefetch of the panels
+ahead of the hardware prefetcher ('p'): '8', '8p', '8r', '8rp', '16', ... All give the
+same bits; which is fastest depends on the CPU, the weights and the number of rows (on
+one AMD EPYC, prefetching cost a third of the bandwidth at 1 row and gained a fifth at
+5 rows of 8-wide), so the first product
 of each shape on a machine times them and keeps the fastest (`chosen_variant`, cached
 per CPU in the kernel cache); SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible
 benchmarks.
@@ -336,21 +339,35 @@ def has_bfloat16_dot() -> bool:
 
 
 def variants() -> tuple[str, ...]:
-  """The kernel's variants on this CPU: width ('8', '16'), 'p' for software prefetch."""
-  return tuple(f"{w}{p}" for w in widths() for p in ("", "p"))
+  """The kernel's variants on this CPU: width ('8', '16'), then 'r' where the blocks hold
+  their weight vectors in registers and 'p' where they prefetch them (`VARIANT_OPTIONS`)."""
+  return tuple(f"{w}{o}" for w in widths() for o in VARIANT_OPTIONS)
+
+
+# The options after a variant's width: weights held in registers ('r': a load per weight
+# vector, however many rows use it, where the compiler would fold it into every row's
+# multiply-add), software prefetch ('p').
+VARIANT_OPTIONS = ("", "p", "r", "rp")
+_VARIANT_NAMES = tuple(f"{w}{o}" for w in (8, 16) for o in VARIANT_OPTIONS)
+
+
+def variant_width(variant: str) -> int:
+  """The vector width (floats) of a variant's name: 8 for '8rp'."""
+  return int(variant.rstrip("rp"))
 
 
 def _variant_code(variant: str) -> int:
-  """The kernel's attribute for `variant`: 2 x width + prefetch."""
-  return 2 * int(variant.rstrip("p")) + variant.endswith("p")
+  """The kernel's attribute for `variant`: 4 x width + 2 x registers + prefetch."""
+  return 4 * variant_width(variant) + 2 * ("r" in variant) + variant.endswith("p")
 
 
 def _variant_env() -> str | None:
   """SPEC_DECODE_CPU_KERNEL_VARIANT if set (a ValueError unless a variant's name)."""
   raw = os.environ.get(ENV_VARIANT, "").strip()
-  if raw and raw not in ("8", "8p", "16", "16p"):
-    raise ValueError(f"{ENV_VARIANT} must be 8, 8p, 16 or 16p (vector width, p = software "
-                     f"prefetch), got {raw!r}")
+  if raw and raw not in _VARIANT_NAMES:
+    raise ValueError(f"{ENV_VARIANT} must be one of {', '.join(_VARIANT_NAMES)} (vector "
+                     f"width; r = weights held in registers, p = software prefetch), "
+                     f"got {raw!r}")
   return raw or None
 
 
@@ -410,10 +427,25 @@ def raw_matmul(x: np.ndarray, panels: np.ndarray, scales, n: int, variant: str) 
 # The tuner streams its weights through this many bytes of copies, so that they come from
 # memory as a decode step's do, not from a cache that holds one small matrix.
 TUNE_STREAM_BYTES = 48 << 20
+# Row counts up to this are timed each on its own: the kernel splits them into blocks of
+# different sizes (5 rows: one block of 5; 8 rows: two of 4 on 8-wide vectors), and the
+# fastest variant for one block size can be a slow one for another (on an AVX2 AMD EPYC,
+# `experiments/kernel_variants.py`: with bfloat16 weights, the fastest at 8 rows was 4-16%
+# slower than the best at 5 rows, a gamma-4 verify call). Above it, power-of-two buckets
+# share the choice timed at their top.
+TUNE_EXACT_ROWS = 16
 # Row buckets above this share its measured choice: the kernel walks rows in blocks of at
 # most 12, so more rows change no variant's speed per row, and timing an encoder's
 # batch x length rows (millions, for a huge batch) would allocate them all.
 TUNE_MAX_ROWS = 1024
+
+
+def tuning_rows(M: int) -> int:
+  """The row count whose measured choice M rows use: M itself up to TUNE_EXACT_ROWS, else
+  the top of M's power-of-two bucket, at most TUNE_MAX_ROWS."""
+  if M <= TUNE_EXACT_ROWS:
+    return max(M, 1)
+  return min(1 << (M - 1).bit_length(), TUNE_MAX_ROWS)
 
 
 def _sweep(args) -> float:
@@ -469,14 +501,14 @@ _CHOSEN: dict[str, str] = {}
 def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
   """The variant the kernel uses for M rows times [K, N] weights of `dtype` on this CPU:
   the override (SPEC_DECODE_CPU_KERNEL_VARIANT), else the fastest, measured once per CPU,
-  weight shape and power-of-two bucket of M (`time_variants`, at the bucket's top, at most
-  TUNE_MAX_ROWS) and kept in the kernel cache. Every variant gives the same bits, so the
-  choice changes only the time."""
+  weight shape and row count (`time_variants` at `tuning_rows(M)`: M itself for few rows,
+  a power-of-two bucket's top above) and kept in the kernel cache. Every variant gives the
+  same bits, so the choice changes only the time."""
   override = _variant_override()
   if override is not None:
     return override
   built = variants()
-  rows = min(1 << max(0, M - 1).bit_length(), TUNE_MAX_ROWS)
+  rows = tuning_rows(M)
   name = f"{rows}x{K}x{N}:{np.dtype(dtype).name}{'_dot' if pairs else ''}"
   if not _CHOSEN:
     try:
