@@ -88,11 +88,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   args.rows = harness.parse_ints(args.rows, "rows")
-  args.kernel_weights = [w for w in args.kernel_weights.split(",") if w]
-  from spec_decode.kernels import cpu_matmul
-  bad = [w for w in args.kernel_weights if w not in cpu_matmul.WEIGHTS]
-  if bad or not args.kernel_weights:
-    p.error(f"--kernel_weights: each must be one of {cpu_matmul.WEIGHTS}, got {bad or 'none'}")
+  args.kernel_weights = roofline.kernel_weights_list(p, args.kernel_weights)
   if min(args.rows) < 1 or args.repeats < 1:
     p.error("--rows and --repeats must be >= 1")
   return args
@@ -116,10 +112,8 @@ def run(args, meta: dict) -> Output:
            "each row's multiply-add); p = software prefetch. All give the same bits.",
            "t(rows) = the fastest at that row count over the fastest at 1 row (one thread: "
            "the decode step splits the products over two, so its t(N) differs)."]
-  stem = (f"kernel_variants_{roofline.cpu_family(info['model'], info['features'])}"
-          + (f"_{args.name}" if args.name else ""))
-  return Output(stem, f"CPU kernel variants by row count ({info['model']})", cols, rows,
-                notes=notes)
+  return Output(roofline.result_stem("kernel_variants", info, args.name),
+                f"CPU kernel variants by row count ({info['model']})", cols, rows, notes=notes)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

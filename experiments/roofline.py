@@ -46,6 +46,24 @@ def cpu_family(model: str, features: Sequence[str] = ()) -> str:
   return f"{name}_{width}" if width else name
 
 
+def result_stem(prefix: str, info: dict[str, Any], name: str = "") -> str:
+  """'<prefix>_<cpu family>[_<name>]': a result file's stem for the CPU `info` describes
+  (`cpu_matmul.describe()`), so each CPU family's figures keep a file of their own."""
+  return f"{prefix}_{cpu_family(info['model'], info['features'])}" + (f"_{name}" if name else "")
+
+
+def kernel_weights_list(parser: argparse.ArgumentParser, text: str) -> list[str]:
+  """A --kernel_weights comma list, each a `T5.kernel_weights` setting (a parser error
+  naming the bad ones, or an empty list)."""
+  from spec_decode.kernels import cpu_matmul
+  weights = [w for w in text.split(",") if w]
+  bad = [w for w in weights if w not in cpu_matmul.WEIGHTS]
+  if bad or not weights:
+    parser.error(f"--kernel_weights: each must be one of {cpu_matmul.WEIGHTS}, got "
+                 f"{bad or 'none'}")
+  return weights
+
+
 def _decoder_cost(params) -> tuple[int, int]:
   """(bytes of the decoder's weights as stored, multiply-adds per row) of a decode step:
   every array under decoder/ (packed panels at their dtype) is read once; each 2-D kernel
@@ -162,11 +180,7 @@ def parse_args(argv: Sequence[str]):
   args = p.parse_args(list(argv))
   args.tokens = tuple(sorted({1} | set(harness.parse_ints(args.tokens, "tokens"))))
   args.batch_sizes = harness.parse_ints(args.batch_sizes, "batch_sizes")
-  args.kernel_weights = [w for w in args.kernel_weights.split(",") if w]
-  from spec_decode.kernels import cpu_matmul
-  bad = [w for w in args.kernel_weights if w not in cpu_matmul.WEIGHTS]
-  if bad or not args.kernel_weights:
-    p.error(f"--kernel_weights: each must be one of {cpu_matmul.WEIGHTS}, got {bad or 'none'}")
+  args.kernel_weights = kernel_weights_list(p, args.kernel_weights)
   if min(args.tokens) < 1 or min(args.batch_sizes) < 1 or args.repeats < 1:
     p.error("--tokens, --batch_sizes and --repeats must be >= 1")
   return args
@@ -199,10 +213,10 @@ def run(args, meta: dict) -> Output:
            "bound = max(decoder bytes / read bandwidth, 2 x decoder multiply-adds x rows / peak "
            "at the width used); attention and the loop's own work are outside it, so "
            "'time / bound' >= 1 by their share.",
-           "variant: the kernel variant (vector width, p = software prefetch) chosen for most "
+           "variant: the kernel variant (vector width, r = weights held in registers, p = "
+           "software prefetch) chosen for most "
            "weight shapes at that row count."]
-  stem = (f"roofline_{cpu_family(info['model'], info['features'])}"
-          + (f"_{args.name}" if args.name else ""))
+  stem = result_stem("roofline", info, args.name)
   return Output(stem, f"Decode step against the roofline ({info['model']})", cols, rows,
                 notes=notes)
 

@@ -27,10 +27,9 @@ then waits on the load ports) and with or without software prefetch of the panel
 ahead of the hardware prefetcher ('p'): '8', '8p', '8r', '8rp', '16', ... All give the
 same bits; which is fastest depends on the CPU, the weights and the number of rows (on
 one AMD EPYC, prefetching cost a third of the bandwidth at 1 row and gained a fifth at
-5 rows of 8-wide), so the first product
-of each shape on a machine times them and keeps the fastest (`chosen_variant`, cached
-per CPU in the kernel cache); SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible
-benchmarks.
+5 rows of 8-wide), so the first product of each shape and row count on a machine times
+them and keeps the fastest (`chosen_variant`, cached per CPU in the kernel cache);
+SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible benchmarks.
 
 The kernel is compiled on first use with the system C++ compiler for the host CPU
 (-march=native) against jaxlib's FFI headers, cached under $SPEC_DECODE_KERNEL_CACHE
@@ -430,9 +429,10 @@ TUNE_STREAM_BYTES = 48 << 20
 # Row counts up to this are timed each on its own: the kernel splits them into blocks of
 # different sizes (5 rows: one block of 5; 8 rows: two of 4 on 8-wide vectors), and the
 # fastest variant for one block size can be a slow one for another (on an AVX2 AMD EPYC,
-# `experiments/kernel_variants.py`: with bfloat16 weights, the fastest at 8 rows was 4-16%
-# slower than the best at 5 rows, a gamma-4 verify call). Above it, power-of-two buckets
-# share the choice timed at their top.
+# with bfloat16 weights, the variant fastest at 8 rows was 4-16% slower at 5 rows, a
+# gamma-4 verify call, than the best there, in three sweeps of the decoder's shapes; see
+# `experiments/kernel_variants.py`). Above it, power-of-two buckets share the choice timed
+# at their top.
 TUNE_EXACT_ROWS = 16
 # Row buckets above this share its measured choice: the kernel walks rows in blocks of at
 # most 12, so more rows change no variant's speed per row, and timing an encoder's
