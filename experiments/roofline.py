@@ -214,8 +214,7 @@ def run(args, meta: dict) -> Output:
            "at the width used); attention and the loop's own work are outside it, so "
            "'time / bound' >= 1 by their share.",
            "variant: the kernel variant (vector width, r = weights held in registers, p = "
-           "software prefetch) chosen for most "
-           "weight shapes at that row count."]
+           "software prefetch) chosen for most weight shapes at that row count."]
   stem = result_stem("roofline", info, args.name)
   return Output(stem, f"Decode step against the roofline ({info['model']})", cols, rows,
                 notes=notes)

@@ -423,7 +423,8 @@ def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "8")
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == "8"
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "12")
-  with pytest.raises(ValueError, match=f"{cpu_matmul.ENV_VARIANT} must be one of 8, 8p, 8r, 8rp, 16"):
+  with pytest.raises(ValueError,
+                     match=f"{cpu_matmul.ENV_VARIANT} must be one of 8, 8p, 8r, 8rp, 16"):
     cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
   if 16 not in cpu_matmul.widths():
     monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "16p")

@@ -7,6 +7,7 @@ on the tables' rows and columns, the theory columns, and on the artificial-
 delay draft leaving logits (and so decoded tokens) unchanged.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -906,11 +907,13 @@ def test_kernel_variants_times_every_variant_at_every_row_count(tmp_path):
     assert r["best"] == min(times, key=times.get) and r[f"over_{r['best']}"] == 1.0
   family = os.path.basename(paths["md"])
   assert family.startswith("kernel_variants_") and family.endswith("_tiny.md")
-  # the decoder's matrices by shape: every packed matrix of the decoder counted once
+  # the decoder's matrices by shape, in the weight format asked for: each layer's MLP
+  # output [mlp_dim, emb_dim] once per layer, and every matrix reads or writes emb_dim
   models = kernel_variants.harness.load_models("demo:ende_target")
-  packed = models.target.decode_params(models.target_params)
-  shapes = kernel_variants.decoder_shapes(packed)
-  leaves = [x for x in jax.tree_util.tree_leaves(
-      packed["decoder"], is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel))
-      if isinstance(x, cpu_matmul.PackedKernel)]
-  assert sum(shapes.values()) == len(leaves) > 0
+  t = models.target
+  shapes = kernel_variants.decoder_shapes(
+      dataclasses.replace(t, kernel_weights="float32").decode_params(models.target_params))
+  c = t.config
+  assert shapes[(c.mlp_dim, c.emb_dim, "float32", False)] == c.num_decoder_layers
+  assert {dtype for _, _, dtype, _ in shapes} == {"float32"}
+  assert all(c.emb_dim in (K, N) for K, N, _, _ in shapes)

@@ -275,7 +275,7 @@ struct Variant {
   int64_t width;
   bool pin, prefetch;
   static Variant Of(int64_t code) { return {code / 4, (code & 2) != 0, (code & 1) != 0}; }
-  int Index() const { return 2 * pin + prefetch; }  // into a table of the 4 options
+  int Index() const { return 2 * pin + prefetch; }  // into a width's 4 block tables
 };
 
 bool HaveWidth(int64_t width) {
@@ -285,30 +285,20 @@ bool HaveWidth(int64_t width) {
   return width == 8;
 }
 
-template <typename V, typename T, const Blocks<V, T>& kTable>
-void PanelsOf(const Problem<T>& p, int64_t j0, int64_t j1) {
-  Panels(kTable, p, j0, j1);
-}
-
-template <typename T>
-using RangeFn = void (*)(const Problem<T>&, int64_t, int64_t);
-
 template <typename T>
 void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
 #ifdef __AVX512F__
   if (v.width == 16) {
-    static constexpr RangeFn<T> kWide[] = {
-        PanelsOf<f32x16, T, kBlocks16<T, false, false>>,
-        PanelsOf<f32x16, T, kBlocks16<T, true, false>>,
-        PanelsOf<f32x16, T, kBlocks16<T, false, true>>,
-        PanelsOf<f32x16, T, kBlocks16<T, true, true>>};
-    return kWide[v.Index()](p, j0, j1);
+    static const Blocks<f32x16, T>* const kWide[] = {
+        &kBlocks16<T, false, false>, &kBlocks16<T, true, false>, &kBlocks16<T, false, true>,
+        &kBlocks16<T, true, true>};
+    return Panels(*kWide[v.Index()], p, j0, j1);
   }
 #endif
-  static constexpr RangeFn<T> kNarrow[] = {
-      PanelsOf<f32x8, T, kBlocks8<T, false, false>>, PanelsOf<f32x8, T, kBlocks8<T, true, false>>,
-      PanelsOf<f32x8, T, kBlocks8<T, false, true>>, PanelsOf<f32x8, T, kBlocks8<T, true, true>>};
-  return kNarrow[v.Index()](p, j0, j1);
+  static const Blocks<f32x8, T>* const kNarrow[] = {
+      &kBlocks8<T, false, false>, &kBlocks8<T, true, false>, &kBlocks8<T, false, true>,
+      &kBlocks8<T, true, true>};
+  return Panels(*kNarrow[v.Index()], p, j0, j1);
 }
 
 #ifdef __AVX512BF16__
@@ -405,19 +395,15 @@ const Blocks<__m256, Pair> kDotBlocks8 = {
 template <>
 void Range<Pair>(const Problem<Pair>& p, Variant v, int64_t j0, int64_t j1) {
   if (v.width == 16) {
-    static constexpr RangeFn<Pair> kWide[] = {
-        PanelsOf<__m512, Pair, kDotBlocks16<false, false>>,
-        PanelsOf<__m512, Pair, kDotBlocks16<true, false>>,
-        PanelsOf<__m512, Pair, kDotBlocks16<false, true>>,
-        PanelsOf<__m512, Pair, kDotBlocks16<true, true>>};
-    return kWide[v.Index()](p, j0, j1);
+    static const Blocks<__m512, Pair>* const kWide[] = {
+        &kDotBlocks16<false, false>, &kDotBlocks16<true, false>, &kDotBlocks16<false, true>,
+        &kDotBlocks16<true, true>};
+    return Panels(*kWide[v.Index()], p, j0, j1);
   }
-  static constexpr RangeFn<Pair> kNarrow[] = {
-      PanelsOf<__m256, Pair, kDotBlocks8<false, false>>,
-      PanelsOf<__m256, Pair, kDotBlocks8<true, false>>,
-      PanelsOf<__m256, Pair, kDotBlocks8<false, true>>,
-      PanelsOf<__m256, Pair, kDotBlocks8<true, true>>};
-  return kNarrow[v.Index()](p, j0, j1);
+  static const Blocks<__m256, Pair>* const kNarrow[] = {
+      &kDotBlocks8<false, false>, &kDotBlocks8<true, false>, &kDotBlocks8<false, true>,
+      &kDotBlocks8<true, true>};
+  return Panels(*kNarrow[v.Index()], p, j0, j1);
 }
 
 constexpr bool kHaveDot = true;
@@ -733,8 +719,8 @@ int64_t spec_decode_widths() {
 }
 
 // The kernel's products on raw pointers in the calling thread, with variant 4 x width +
-// 2 x registers + prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3 bfloat16 pairs (dot
-// products; K even). Returns 0, or -1 for a variant or dtype it lacks.
+// 2 x registers + prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3
+// bfloat16 pairs (dot products; K even). Returns 0, or -1 for a variant or dtype it lacks.
 int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
                        int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t variant_code) {
   const Variant variant = Variant::Of(variant_code);
