@@ -10,10 +10,14 @@ compilation's mmap failed and XLA crashed with a segmentation fault.
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
 import xla_flags
+
+_OWN_CACHE = None  # the compilation cache directory this process made, if any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 simulated devices. The suite is bound by XLA:CPU compile time (hundreds of decoding
@@ -29,6 +33,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _flag in ("--xla_force_host_platform_device_count=8",) + xla_flags.cheap_compile():
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# One persistent compilation cache for the whole run: both xdist workers and every
+# subprocess a test starts (they inherit the environment of the process that loads this file
+# first, pytest's controller) compile the same programs many times over (the tiny pairs'
+# decoding loops in every test file, the main job in-process and as a command), and the
+# compiled programs of each file are dropped after it (below). A new directory per run,
+# removed at its end (`pytest_unconfigure`), so no run reads another's programs; a cache
+# directory set outside (JAX_COMPILATION_CACHE_DIR) is used and kept. Every program is
+# written (no minimum compile time): reading one back costs less than compiling it.
+# Unbounded size: a bounded cache locks and rescans the directory at every write.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE = tempfile.mkdtemp(
+      prefix="spec_decode_test_jax_cache_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The CPU kernel's variant fixed (all give the same bits, tested in test_cpu_matmul.py):
 # no variant tuning, which would time every small shape the tests use.
 os.environ.setdefault("SPEC_DECODE_CPU_KERNEL_VARIANT", "8p")
@@ -40,3 +57,9 @@ def _drop_compiled_executables():
   import jax  # imported by every test module already; here only to clear its caches
   jax.clear_caches()
   gc.collect()
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
