@@ -305,7 +305,7 @@ def test_handler_exit_code_and_one_line(capsys):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("SPEC_DECODE_CPU_KERNEL_VARIANT", "32", "must be one of 8, 8p, 8r, 8rp, 16"),
+    ("SPEC_DECODE_CPU_KERNEL_VARIANT", "32", "must be one of 8, 8p, 8r, 8rp, 8f, 8fp, 8fr"),
     ("SPEC_DECODE_CPU_MATMUL_THREADS", "0", "must be a positive int"),
     ("SPEC_DECODE_CPU_MATMUL_THREADS", "two", "must be a positive int")])
 def test_kernel_environment_is_checked_at_start(monkeypatch, name, value, match):

@@ -274,12 +274,31 @@ def test_tuning_rows():
 
 
 def test_variant_names_and_codes():
-  # every width with each option (registers, prefetch), one attribute code each
+  # every width with each option (full blocks first, registers, prefetch), one code each
   names = [f"{w}{o}" for w in (8, 16) for o in cpu_matmul.VARIANT_OPTIONS]
-  assert names == ["8", "8p", "8r", "8rp", "16", "16p", "16r", "16rp"]
+  assert names == ["8", "8p", "8r", "8rp", "8f", "8fp", "8fr", "8frp",
+                   "16", "16p", "16r", "16rp", "16f", "16fp", "16fr", "16frp"]
   codes = [cpu_matmul._variant_code(v) for v in names]
-  assert codes == [32, 33, 34, 35, 64, 65, 66, 67]
-  assert [cpu_matmul.variant_width(v) for v in names] == [8] * 4 + [16] * 4
+  assert codes == list(range(64, 72)) + list(range(128, 136))
+  assert [cpu_matmul.variant_width(v) for v in names] == [8] * 8 + [16] * 8
+
+
+def test_row_blocks_and_the_variants_the_tuner_times():
+  # as even as possible, or full blocks first; the tuner skips an 'f' variant where both
+  # split the rows alike (one code path)
+  assert cpu_matmul.row_blocks(8, "8r") == (4, 4) and cpu_matmul.row_blocks(8, "8fr") == (6, 2)
+  assert cpu_matmul.row_blocks(13, "8") == (5, 4, 4)
+  assert cpu_matmul.row_blocks(13, "8f") == (6, 6, 1)
+  assert cpu_matmul.row_blocks(13, "16p") == (7, 6)
+  assert cpu_matmul.row_blocks(13, "16fp") == (12, 1)
+  for m in (1, 5, 6, 12, 40):
+    for v in ("8", "8f", "16fp"):
+      assert sum(cpu_matmul.row_blocks(m, v)) == m
+  names = ("8", "8p", "8f", "8fp", "16", "16f")
+  assert cpu_matmul.distinct_variants(5, names) == ("8", "8p", "16")
+  assert cpu_matmul.distinct_variants(8, names) == ("8", "8p", "8f", "8fp", "16")
+  assert cpu_matmul.distinct_variants(13, names) == names
+  assert cpu_matmul.distinct_variants(12, names) == ("8", "8p", "16")
 
 
 @needs_kernel
@@ -300,7 +319,7 @@ def test_the_kernel_reads_the_width_from_every_code():
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 5, 13, 40, 160])
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 40, 160])
 def test_bfloat16_panels_give_the_float32_bits_in_every_variant(m):
   x, w = _operands(m, 96, 200, seed=m)
   want = None
@@ -424,7 +443,7 @@ def test_variant_override_and_tuning_cache(tmp_path, monkeypatch):
   assert cpu_matmul.chosen_variant(3, 96, 200, jnp.bfloat16) == "8"
   monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "12")
   with pytest.raises(ValueError,
-                     match=f"{cpu_matmul.ENV_VARIANT} must be one of 8, 8p, 8r, 8rp, 16"):
+                     match=f"{cpu_matmul.ENV_VARIANT} must be one of 8, 8p, 8r, 8rp, 8f, .*, 16"):
     cpu_matmul.chosen_variant(3, 96, 200, jnp.float32)
   if 16 not in cpu_matmul.widths():
     monkeypatch.setenv(cpu_matmul.ENV_VARIANT, "16p")

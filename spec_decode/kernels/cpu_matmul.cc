@@ -13,8 +13,9 @@
 //  16: 16-wide vectors, up to 6 rows x 4 panels or 12 rows x 2 panels per block (32
 //      registers: AVX-512), built only when the compiler targets AVX-512F (the host's
 //      -march=native);
-// each with or without its weight vectors held in registers (`InRegister`) and with or
-// without software prefetch of the panels ahead of the hardware prefetcher.
+// each with or without its weight vectors held in registers (`InRegister`), with or
+// without software prefetch of the panels ahead of the hardware prefetcher, and with rows
+// in blocks as even as possible or full blocks first (`Panels`).
 // With AVX512-BF16, bfloat16 weights can also run as dot products (see DotBlock16).
 // bfloat16 and int8 weights are widened to float32 in registers (exactly), so a
 // bfloat16 matrix gives the bits of its float32 copy at half the bytes read.
@@ -246,16 +247,21 @@ constexpr Blocks<f32x16, T> kBlocks16 = {
 #endif
 
 // Panels [j0, j1) for every row block; a group of kGroup panels is read from memory once
-// and from cache for the following row blocks.
+// and from cache for the following row blocks. Rows go in blocks of at most max_rows,
+// either as even as possible (8 rows of 6: 4 + 4) or, with `full_first`, full blocks first
+// and the rest last (6 + 2). A small last block does as many weight loads as a full one
+// for fewer products, but it reads them from cache, and the first block, the one that
+// streams them from memory, has the most rows to cover the wait: which is faster depends on
+// the CPU, the weights and the row count (the tuner measures it, a variant option).
 template <typename V, typename T>
-void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1) {
+void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1,
+            bool full_first) {
   for (int64_t g = j0; g < j1; g += kGroup) {
     const int64_t g1 = std::min(j1, g + kGroup);
-    // Rows in blocks of at most max_rows, as even as possible (8 rows of 6: 4 + 4, not
-    // 6 + 2: a small last block does as many weight loads as a full one for fewer products).
     const int64_t row_blocks = (p.M + blocks.max_rows - 1) / blocks.max_rows;
     for (int64_t b = 0, m = 0; b < row_blocks; ++b) {
-      const int64_t rows = p.M / row_blocks + (b < p.M % row_blocks ? 1 : 0);
+      const int64_t rows = full_first ? std::min<int64_t>(blocks.max_rows, p.M - m)
+                                      : p.M / row_blocks + (b < p.M % row_blocks ? 1 : 0);
       for (int64_t j = g; j < g1;) {
         const int64_t take = blocks.panels[rows] <= g1 - j ? blocks.panels[rows] : 1;
         const BlockFn<T> fn = take == 1 ? blocks.single[rows] : blocks.wide[rows];
@@ -267,14 +273,17 @@ void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t
   }
 }
 
-// A variant: the vector width (8 or 16 floats), whether blocks hold their weight vectors in
-// registers (`InRegister`) and whether they prefetch their panels ahead of the hardware
-// prefetcher (each helps on some CPUs and row counts and costs on others). Every variant
-// computes the same bits. Passed as one int: 4 x width + 2 x registers + prefetch.
+// A variant: the vector width (8 or 16 floats), whether rows go in full blocks first (see
+// `Panels`), whether blocks hold their weight vectors in registers (`InRegister`) and
+// whether they prefetch their panels ahead of the hardware prefetcher (each helps on some
+// CPUs and row counts and costs on others). Every variant computes the same bits. Passed
+// as one int: 8 x width + 4 x full blocks first + 2 x registers + prefetch.
 struct Variant {
   int64_t width;
-  bool pin, prefetch;
-  static Variant Of(int64_t code) { return {code / 4, (code & 2) != 0, (code & 1) != 0}; }
+  bool full_first, pin, prefetch;
+  static Variant Of(int64_t code) {
+    return {code / 8, (code & 4) != 0, (code & 2) != 0, (code & 1) != 0};
+  }
   int Index() const { return 2 * pin + prefetch; }  // into a width's 4 block tables
 };
 
@@ -292,13 +301,13 @@ void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
     static const Blocks<f32x16, T>* const kWide[] = {
         &kBlocks16<T, false, false>, &kBlocks16<T, true, false>, &kBlocks16<T, false, true>,
         &kBlocks16<T, true, true>};
-    return Panels(*kWide[v.Index()], p, j0, j1);
+    return Panels(*kWide[v.Index()], p, j0, j1, v.full_first);
   }
 #endif
   static const Blocks<f32x8, T>* const kNarrow[] = {
       &kBlocks8<T, false, false>, &kBlocks8<T, true, false>, &kBlocks8<T, false, true>,
       &kBlocks8<T, true, true>};
-  return Panels(*kNarrow[v.Index()], p, j0, j1);
+  return Panels(*kNarrow[v.Index()], p, j0, j1, v.full_first);
 }
 
 #ifdef __AVX512BF16__
@@ -398,12 +407,12 @@ void Range<Pair>(const Problem<Pair>& p, Variant v, int64_t j0, int64_t j1) {
     static const Blocks<__m512, Pair>* const kWide[] = {
         &kDotBlocks16<false, false>, &kDotBlocks16<true, false>, &kDotBlocks16<false, true>,
         &kDotBlocks16<true, true>};
-    return Panels(*kWide[v.Index()], p, j0, j1);
+    return Panels(*kWide[v.Index()], p, j0, j1, v.full_first);
   }
   static const Blocks<__m256, Pair>* const kNarrow[] = {
       &kDotBlocks8<false, false>, &kDotBlocks8<true, false>, &kDotBlocks8<false, true>,
       &kDotBlocks8<true, true>};
-  return Panels(*kNarrow[v.Index()], p, j0, j1);
+  return Panels(*kNarrow[v.Index()], p, j0, j1, v.full_first);
 }
 
 constexpr bool kHaveDot = true;
@@ -718,8 +727,8 @@ int64_t spec_decode_widths() {
   return widths;
 }
 
-// The kernel's products on raw pointers in the calling thread, with variant 4 x width +
-// 2 x registers + prefetch. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3
+// The kernel's products on raw pointers in the calling thread, with variant code as
+// `Variant` reads it. dtype: 0 float32, 1 bfloat16, 2 int8 (scales [16 P]), 3
 // bfloat16 pairs (dot products; K even). Returns 0, or -1 for a variant or dtype it lacks.
 int spec_decode_matmul(const float* x, const void* panels, const float* scales, float* y,
                        int64_t M, int64_t K, int64_t N, int64_t dtype, int64_t variant_code) {

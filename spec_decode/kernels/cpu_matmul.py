@@ -24,8 +24,9 @@ Variants: 8-wide vectors (AVX2) always, 16-wide (AVX-512) where the compiler tar
 AVX-512F, each with or without weight vectors held in registers ('r': otherwise the
 compiler may fold a weight's load into every row's multiply-add, and a block of rows
 then waits on the load ports) and with or without software prefetch of the panels
-ahead of the hardware prefetcher ('p'): '8', '8p', '8r', '8rp', '16', ... All give the
-same bits; which is fastest depends on the CPU, the weights and the number of rows (on
+ahead of the hardware prefetcher ('p'), with rows in blocks as even as possible or
+full blocks first ('f': 8 rows of 8-wide as 6 + 2, not 4 + 4): '8', '8p', '8r', '8rp',
+'8f', ..., '16', ... All give the same bits; which is fastest depends on the CPU, the weights and the number of rows (on
 one AMD EPYC, prefetching cost a third of the bandwidth at 1 row and gained a fifth at
 5 rows of 8-wide), so the first product of each shape and row count on a machine times
 them and keeps the fastest (`chosen_variant`, cached per CPU in the kernel cache);
@@ -338,26 +339,51 @@ def has_bfloat16_dot() -> bool:
 
 
 def variants() -> tuple[str, ...]:
-  """The kernel's variants on this CPU: width ('8', '16'), then 'r' where the blocks hold
-  their weight vectors in registers and 'p' where they prefetch them (`VARIANT_OPTIONS`)."""
+  """The kernel's variants on this CPU: width ('8', '16'), then 'f' where rows go in full
+  blocks first, 'r' where the blocks hold their weight vectors in registers and 'p' where
+  they prefetch them (`VARIANT_OPTIONS`)."""
   return tuple(f"{w}{o}" for w in widths() for o in VARIANT_OPTIONS)
 
 
-# The options after a variant's width: weights held in registers ('r': a load per weight
-# vector, however many rows use it, where the compiler would fold it into every row's
-# multiply-add), software prefetch ('p').
-VARIANT_OPTIONS = ("", "p", "r", "rp")
+# The options after a variant's width: rows in full blocks first ('f': 8 rows of 8-wide
+# vectors as 6 + 2, else as even as possible, 4 + 4), weights held in registers ('r': a
+# load per weight vector, however many rows use it, where the compiler would fold it into
+# every row's multiply-add), software prefetch ('p').
+VARIANT_OPTIONS = ("", "p", "r", "rp", "f", "fp", "fr", "frp")
 _VARIANT_NAMES = tuple(f"{w}{o}" for w in (8, 16) for o in VARIANT_OPTIONS)
+# Rows per block of each width: 6 x 2 vectors of 8 fill 16 registers' accumulators, 12 x 2
+# of 16 fill 32 (the kernel's `Blocks` tables).
+_MAX_BLOCK_ROWS = {8: 6, 16: 12}
 
 
 def variant_width(variant: str) -> int:
-  """The vector width (floats) of a variant's name: 8 for '8rp'."""
-  return int(variant.rstrip("rp"))
+  """The vector width (floats) of a variant's name: 8 for '8frp'."""
+  return int(variant.rstrip("frp"))
 
 
 def _variant_code(variant: str) -> int:
-  """The kernel's attribute for `variant`: 4 x width + 2 x registers + prefetch."""
-  return 4 * variant_width(variant) + 2 * ("r" in variant) + variant.endswith("p")
+  """The kernel's attribute for `variant`: 8 x width + 4 x full blocks first + 2 x
+  registers + prefetch."""
+  return (8 * variant_width(variant) + 4 * ("f" in variant) + 2 * ("r" in variant)
+          + variant.endswith("p"))
+
+
+def row_blocks(M: int, variant: str) -> tuple[int, ...]:
+  """The rows of each block in which `variant` multiplies M rows (the kernel's `Panels`):
+  as even as possible, or with 'f' full blocks first."""
+  most = _MAX_BLOCK_ROWS[variant_width(variant)]
+  count = -(-M // most)
+  if "f" in variant:
+    return tuple(min(most, M - most * b) for b in range(count))
+  return tuple(M // count + (b < M % count) for b in range(count))
+
+
+def distinct_variants(M: int, names=None) -> tuple[str, ...]:
+  """`names` (default `variants()`) less the 'f' variants that split M rows as their even
+  counterpart does (the same code path: 5 rows of 8-wide are one block either way)."""
+  names = variants() if names is None else tuple(names)
+  return tuple(v for v in names
+               if "f" not in v or row_blocks(M, v) != row_blocks(M, v.replace("f", "")))
 
 
 def _variant_env() -> str | None:
@@ -365,7 +391,8 @@ def _variant_env() -> str | None:
   raw = os.environ.get(ENV_VARIANT, "").strip()
   if raw and raw not in _VARIANT_NAMES:
     raise ValueError(f"{ENV_VARIANT} must be one of {', '.join(_VARIANT_NAMES)} (vector "
-                     f"width; r = weights held in registers, p = software prefetch), "
+                     f"width; f = full row blocks first, r = weights held in registers, "
+                     f"p = software prefetch), "
                      f"got {raw!r}")
   return raw or None
 
@@ -516,8 +543,9 @@ def chosen_variant(M: int, K: int, N: int, dtype, pairs: bool = False) -> str:
     except (OSError, ValueError):
       pass
   if _CHOSEN.get(name) not in built:
-    times = time_variants(rows, K, N, dtype, built, pairs=pairs)
-    _CHOSEN[name] = min(built, key=times.__getitem__)
+    timed = distinct_variants(rows, built)
+    times = time_variants(rows, K, N, dtype, timed, pairs=pairs)
+    _CHOSEN[name] = min(timed, key=times.__getitem__)
     _save_choices()
   return _CHOSEN[name]
 
