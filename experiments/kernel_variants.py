@@ -4,8 +4,8 @@ r"""Every CPU-kernel variant at every row count of a decode step, on this CPU.
   python -m experiments.kernel_variants --rows 1,5,8 --kernel_weights float32 --name quick
 
 For each weight format and row count, times each variant of the decode kernel
-(`cpu_matmul.variants()`: vector width, 'r' = weights held in registers, 'p' = software
-prefetch) over the target decoder's matrices, each shape weighted by how often a step
+(`cpu_matmul.variants()`: vector width, 'f' = full row blocks first, 'r' = weights held
+in registers, 'p' = software prefetch) over the target decoder's matrices, each shape weighted by how often a step
 multiplies by it, in one thread with the weights streamed from memory
 (`cpu_matmul.time_variants`: the variants take turns within each round, so load from
 elsewhere falls on all of them alike). Reports the time of a step's products per variant,
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="demo:ende_target_big",
                  help="demo:<name>, a T5 preset (random weights) or a checkpoint")
-  p.add_argument("--rows", default="1,2,3,4,5,6,8,10,12", help="row counts (batch x N)")
+  p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,12", help="row counts (batch x N)")
   p.add_argument("--kernel_weights", default="auto,float32",
                  help="comma list of T5.kernel_weights settings to time")
   p.add_argument("--repeats", type=int, default=5, help="rounds per variant (least kept)")
@@ -108,8 +108,10 @@ def run(args, meta: dict) -> Output:
            "Time of one decode step's products with the decoder's matrices (each shape times "
            "how many the decoder has), one thread, weights streamed from memory; the least "
            f"of {args.repeats} rounds, the variants taking turns within each round.",
-           "Variants: vector width; r = weight vectors held in registers (not folded into "
-           "each row's multiply-add); p = software prefetch. All give the same bits.",
+           "Variants: vector width; f = rows in full blocks first (8 rows of 8-wide as "
+           "6 + 2, not 4 + 4; where both splits agree, an 'f' column times the same code "
+           "again); r = weight vectors held in registers (not folded into each row's "
+           "multiply-add); p = software prefetch. All give the same bits.",
            "t(rows) = the fastest at that row count over the fastest at 1 row (one thread: "
            "the decode step splits the products over two, so its t(N) differs)."]
   return Output(roofline.result_stem("kernel_variants", info, args.name),
