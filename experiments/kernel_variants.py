@@ -5,8 +5,8 @@ r"""Every CPU-kernel variant at every row count of a decode step, on this CPU.
 
 For each weight format and row count, times each variant of the decode kernel
 (`cpu_matmul.variants()`: vector width, 'f' = full row blocks first, 'r' = weights held
-in registers, 'p' = software prefetch) over the target decoder's matrices, each shape weighted by how often a step
-multiplies by it, in one thread with the weights streamed from memory
+in registers, 'p' = software prefetch) over the target decoder's matrices, each shape
+weighted by how often a step multiplies by it, in one thread with the weights streamed from memory
 (`cpu_matmul.time_variants`: the variants take turns within each round, so load from
 elsewhere falls on all of them alike). Reports the time of a step's products per variant,
 the fastest, how much slower the others are, and t(M) = the fastest at M rows over the

@@ -40,8 +40,10 @@ for _flag in ("--xla_force_host_platform_device_count=8",) + xla_flags.cheap_com
 # compiled programs of each file are dropped after it (below). A new directory per run,
 # removed at its end (`pytest_unconfigure`), so no run reads another's programs; a cache
 # directory set outside (JAX_COMPILATION_CACHE_DIR) is used and kept. Every program is
-# written (no minimum compile time): reading one back costs less than compiling it.
-# Unbounded size: a bounded cache locks and rescans the directory at every write.
+# written (no minimum compile time), so small ones are shared too. Unbounded size: a
+# bounded cache locks and rescans the whole directory at every write; without the lock, a
+# read that meets another process's write in progress finds a truncated entry, which JAX
+# reports as a warning and compiles instead (the bits do not depend on which happened).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE = tempfile.mkdtemp(
       prefix="spec_decode_test_jax_cache_")

@@ -26,9 +26,9 @@ compiler may fold a weight's load into every row's multiply-add, and a block of 
 then waits on the load ports) and with or without software prefetch of the panels
 ahead of the hardware prefetcher ('p'), with rows in blocks as even as possible or
 full blocks first ('f': 8 rows of 8-wide as 6 + 2, not 4 + 4): '8', '8p', '8r', '8rp',
-'8f', ..., '16', ... All give the same bits; which is fastest depends on the CPU, the weights and the number of rows (on
-one AMD EPYC, prefetching cost a third of the bandwidth at 1 row and gained a fifth at
-5 rows of 8-wide), so the first product of each shape and row count on a machine times
+'8f', ..., '16', ... All give the same bits; which is fastest depends on the CPU, the
+weights and the number of rows (on one AMD EPYC, prefetching cost a third of the
+bandwidth at 1 row and gained a fifth at 5 rows of 8-wide), so the first product of each shape and row count on a machine times
 them and keeps the fastest (`chosen_variant`, cached per CPU in the kernel cache);
 SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible benchmarks.
 
