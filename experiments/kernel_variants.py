@@ -95,6 +95,7 @@ def parse_args(argv: Sequence[str]):
 
 
 def run(args, meta: dict) -> Output:
+  from spec_decode.kernels import cpu_matmul
   machine, rows = measure(args)
   meta["kernel_variants"] = machine
   variants = machine["variants"]
@@ -108,10 +109,10 @@ def run(args, meta: dict) -> Output:
            "Time of one decode step's products with the decoder's matrices (each shape times "
            "how many the decoder has), one thread, weights streamed from memory; the least "
            f"of {args.repeats} rounds, the variants taking turns within each round.",
-           "Variants: vector width; f = rows in full blocks first (8 rows of 8-wide as "
-           "6 + 2, not 4 + 4; where both splits agree, an 'f' column times the same code "
-           "again); r = weight vectors held in registers (not folded into each row's "
-           "multiply-add); p = software prefetch. All give the same bits.",
+           f"Variants: vector width; {cpu_matmul.VARIANT_LEGEND}. Full blocks first: 8 rows "
+           "of 8-wide as 6 + 2, not 4 + 4 (where both splits agree, an 'f' column times the "
+           "same code again); weights held in registers: not folded into each row's "
+           "multiply-add. All give the same bits.",
            "t(rows) = the fastest at that row count over the fastest at 1 row (one thread: "
            "the decode step splits the products over two, so its t(N) differs)."]
   return Output(roofline.result_stem("kernel_variants", info, args.name),

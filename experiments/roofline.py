@@ -187,6 +187,7 @@ def parse_args(argv: Sequence[str]):
 
 
 def run(args, meta: dict) -> Output:
+  from spec_decode.kernels import cpu_matmul
   machine, rows = measure(args)
   meta["roofline"] = machine
   cols = [Column("weights", "kernel weights"), Column("decoder_mib", "decoder MiB",
@@ -213,8 +214,8 @@ def run(args, meta: dict) -> Output:
            "bound = max(decoder bytes / read bandwidth, 2 x decoder multiply-adds x rows / peak "
            "at the width used); attention and the loop's own work are outside it, so "
            "'time / bound' >= 1 by their share.",
-           "variant: the kernel variant (vector width, r = weights held in registers, p = "
-           "software prefetch) chosen for most weight shapes at that row count."]
+           f"variant: the kernel variant (vector width; {cpu_matmul.VARIANT_LEGEND}) chosen "
+           "for most weight shapes at that row count."]
   stem = result_stem("roofline", info, args.name)
   return Output(stem, f"Decode step against the roofline ({info['model']})", cols, rows,
                 notes=notes)

@@ -28,9 +28,10 @@ ahead of the hardware prefetcher ('p'), with rows in blocks as even as possible 
 full blocks first ('f': 8 rows of 8-wide as 6 + 2, not 4 + 4): '8', '8p', '8r', '8rp',
 '8f', ..., '16', ... All give the same bits; which is fastest depends on the CPU, the
 weights and the number of rows (on one AMD EPYC, prefetching cost a third of the
-bandwidth at 1 row and gained a fifth at 5 rows of 8-wide), so the first product of each shape and row count on a machine times
-them and keeps the fastest (`chosen_variant`, cached per CPU in the kernel cache);
-SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for reproducible benchmarks.
+bandwidth at 1 row and gained a fifth at 5 rows of 8-wide), so the first product of each
+shape and row count on a machine times them and keeps the fastest (`chosen_variant`,
+cached per CPU in the kernel cache); SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for
+reproducible benchmarks.
 
 The kernel is compiled on first use with the system C++ compiler for the host CPU
 (-march=native) against jaxlib's FFI headers, cached under $SPEC_DECODE_KERNEL_CACHE
@@ -350,6 +351,8 @@ def variants() -> tuple[str, ...]:
 # load per weight vector, however many rows use it, where the compiler would fold it into
 # every row's multiply-add), software prefetch ('p').
 VARIANT_OPTIONS = ("", "p", "r", "rp", "f", "fp", "fr", "frp")
+# What the letters mean, for messages and result notes.
+VARIANT_LEGEND = "f = full row blocks first, r = weights held in registers, p = software prefetch"
 _VARIANT_NAMES = tuple(f"{w}{o}" for w in (8, 16) for o in VARIANT_OPTIONS)
 # Rows per block of each width: 6 x 2 vectors of 8 fill 16 registers' accumulators, 12 x 2
 # of 16 fill 32 (the kernel's `Blocks` tables).
@@ -391,9 +394,7 @@ def _variant_env() -> str | None:
   raw = os.environ.get(ENV_VARIANT, "").strip()
   if raw and raw not in _VARIANT_NAMES:
     raise ValueError(f"{ENV_VARIANT} must be one of {', '.join(_VARIANT_NAMES)} (vector "
-                     f"width; f = full row blocks first, r = weights held in registers, "
-                     f"p = software prefetch), "
-                     f"got {raw!r}")
+                     f"width; {VARIANT_LEGEND}), got {raw!r}")
   return raw or None
 
 
