@@ -215,6 +215,7 @@ GREEDY = {
     "lookup_tree_untrimmed_w3": (LookupTreeDrafter(width=3, depth=2), TREE, False, False),
     "skip_chain": (Skip(layers=1), CHAIN, False, True),
     "skip_block": (Skip(layers=1), BLOCK, False, True),
+    "skip_chain_no_reuse": (Skip(layers=1, reuse=False), CHAIN, False, True),
 }
 
 
@@ -311,6 +312,20 @@ def test_trimmed_verify_through_loops_copies_no_cache(B, verify_form):
     verify_form(False)
     copies = _loop_cache_copies(algo, target, tp, enc[:B])
   assert len(copies) >= 2 * target.config.num_decoder_layers
+
+
+def test_layer_skip_reuse_copies_no_cache_at_batch_1():
+  """The verify call's one-token part (the first layers on the last proposed token) at
+  batch 1: with dots XLA:CPU copies those layers' whole K and V caches in every iteration
+  (the control below); in the rowwise form (`t5.REUSE_ROWWISE_SELF_ATTENTION`, the CPU's
+  default) it copies none. The draft's own one-token steps in the rowwise form too, to see
+  the verify call's copies alone."""
+  target, tp, _, enc, _ = _greedy_setup()
+  algo = decoding.Speculative(gamma=4, drafter=Skip(layers=1))
+  with t5.switched(ROWWISE_SELF_ATTENTION=True):
+    assert _loop_cache_copies(algo, target, tp, enc[:1]) == []
+    with t5.switched(REUSE_ROWWISE_SELF_ATTENTION=False):
+      assert len(_loop_cache_copies(algo, target, tp, enc[:1])) >= 2
 
 
 # ------------------------------------------------------------------------ exactness
@@ -465,6 +480,106 @@ def test_lookup_tree_needs_a_tree_verifier():
 def test_bad_layer_skip_settings(bad):
   with pytest.raises(ValueError, match="layers"):
     Skip(layers=bad)
+
+
+def test_bad_layer_skip_reuse_setting():
+  with pytest.raises(ValueError, match="LayerSkipDrafter.reuse must be True or False"):
+    Skip(reuse=1)
+
+
+# ------------------------------------------------- the verify call reusing the draft's work
+def _three_layers():
+  """A 3-decoder-layer T5, its params, an encoding of 2 rows, and a cache holding 3 and 2
+  tokens (rows at different lengths)."""
+  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny", num_decoder_layers=3))
+  params = model.init(jax.random.PRNGKey(40))
+  enc = jnp.asarray(np.random.RandomState(41).randint(2, 60, (2, 7)), jnp.int32)
+  encoded = model.encode(params, enc)
+  cache = model.decode(params, model.init_cache(params, encoded, 16),
+                       jnp.asarray([[0, 5, 6], [0, 7, 9]], jnp.int32)).cache
+  return model, params, encoded, cache.rewind(jnp.asarray([3, 2], jnp.int32))
+
+
+def _drafted(model, params, encoded, cache, tokens, k):
+  """The truncated model fed tokens[:, :-1] one at a time from the target cache's first k
+  layers, as the layer skip drafts: (streams after layer k - 1, its cache)."""
+  shallow = layer_skip.truncated(model, k)
+  sp = layer_skip.truncated_params(params, k)
+  dc = shallow.init_cache(sp, encoded, cache.max_length).replace(
+      self_k=cache.self_k[:k], self_v=cache.self_v[:k], lengths=cache.lengths)
+  streams = []
+  for j in range(tokens.shape[1] - 1):
+    out = shallow.decode(sp, dc, tokens[:, j:j + 1], layers=(k - 1,))
+    dc = out.cache
+    streams.append(out.features)
+  return jnp.concatenate(streams, axis=1), dc
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_decode_reusing_equals_decode(k):
+  """The verify call from the draft's first k layers gives decode's logits, states and
+  caches (up to float rounding: those layers ran one token at a time), lengths + T; and it
+  does read the streams it is given: zeroed streams change every logit but the last
+  position's... which still differs through the deeper layers' attention."""
+  model, params, encoded, cache = _three_layers()
+  tokens = jnp.asarray([[4, 8, 9, 10, 11], [12, 13, 3, 2, 5]], jnp.int32)
+  want = model.decode(params, cache, tokens)
+  streams, dc = _drafted(model, params, encoded, cache, tokens, k)
+  got = model.decode_reusing(params, cache, tokens, streams=streams, shallow_k=dc.self_k,
+                             shallow_v=dc.self_v)
+  np.testing.assert_allclose(got.logits, want.logits, atol=2e-5)
+  np.testing.assert_allclose(got.hidden, want.hidden, atol=2e-5)
+  np.testing.assert_array_equal(got.cache.lengths, [8, 7])
+  for name in ("self_k", "self_v"):
+    for a, b in zip(getattr(got.cache, name), getattr(want.cache, name)):
+      np.testing.assert_allclose(a, b, atol=2e-5)
+  zeroed = model.decode_reusing(params, cache, tokens, streams=0 * streams,
+                                shallow_k=dc.self_k, shallow_v=dc.self_v)
+  assert np.min(np.max(np.abs(np.asarray(zeroed.logits - want.logits)), axis=-1)) > 1e-2
+
+
+def test_decode_reusing_refuses_bad_shapes():
+  model, params, encoded, cache = _three_layers()
+  tokens = jnp.asarray([[4, 8, 9], [12, 13, 3]], jnp.int32)
+  streams, dc = _drafted(model, params, encoded, cache, tokens, 1)
+  with pytest.raises(ValueError, match=r"streams must be \[B, T - 1, D\]"):
+    model.decode_reusing(params, cache, tokens, streams=streams[:, :1], shallow_k=dc.self_k,
+                         shallow_v=dc.self_v)
+  with pytest.raises(ValueError, match="must cover the same 1 .. 2 first decoder layers"):
+    model.decode_reusing(params, cache, tokens, streams=streams, shallow_k=cache.self_k,
+                         shallow_v=cache.self_v)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_layer_skip_hands_its_streams_to_the_verify_call(reuse):
+  """With reuse, a proposal carries the draft's streams at s_m and the proposed tokens but
+  the last ([B, K, D]) and the drafter makes the verify call; without, neither."""
+  model, params, encoded, cache = _three_layers()
+  drafter = Skip(layers=2, reuse=reuse)
+  enc = jnp.asarray(np.random.RandomState(41).randint(2, 60, (2, 7)), jnp.int32)
+  ctx = runner.LoopContext(target=model, target_params=params, draft=None, draft_params=None,
+                           encoder_tokens=enc, draft_encoder_tokens=enc,
+                           rng=jax.random.PRNGKey(0), row_ids=jnp.arange(2, dtype=jnp.int32),
+                           max_decode_len=16, sampling=S()).with_target_encoded()
+  # rows as the cache holds them (s_1 .., then s_m: 8 and 9), the draft's cache as the loop
+  # leaves it: the target's first layers' entries of s_0 .. s_{m-1}
+  tokens = np.zeros((2, 16), np.int32)
+  tokens[0, :3], tokens[1, :2] = [5, 6, 8], [7, 9]
+  committed = decoding.Committed(tokens=jnp.asarray(tokens),
+                                 length=jnp.asarray([3, 2], jnp.int32), it=jnp.int32(1))
+  state = drafter.init(ctx, 16).replace(self_k=cache.self_k[:2], self_v=cache.self_v[:2],
+                                        lengths=cache.lengths)
+  keys = jax.vmap(lambda k: jax.random.split(k, 3))(ctx.keys(0))
+  proposal, state = drafter.propose(ctx, state, committed, keys, 3)
+  target_in = jnp.concatenate([committed.token_at(committed.length)[:, None],
+                               proposal.tokens], axis=1)
+  out = drafter.verify_call(ctx, state, cache, target_in, proposal)
+  if not reuse:
+    assert proposal.states is None and out is None
+    return
+  assert proposal.states.shape == (2, 3, model.config.emb_dim)
+  np.testing.assert_allclose(out.logits, model.decode(params, cache, target_in).logits,
+                             atol=2e-5)
 
 
 def test_bad_trim_verify():

@@ -230,3 +230,20 @@ def test_odd_batch_presharded_params_custom_rules(case):
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens)[:3])
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths)[:3])
   assert got.tokens.sharding.spec == P(None)
+
+
+def test_layer_skip_reusing_its_layers_sharded_equals_unsharded():
+  """Self-speculation whose verify call reuses the draft's first layer (`T5.decode_reusing`:
+  the draft cache's entries copied into the target's, sharded alike) on a data x model mesh:
+  the unsharded run's tokens and counters."""
+  cfg = t5.T5Config.preset("t5_1_1_tiny", num_heads=6, num_encoder_layers=1,
+                           num_decoder_layers=2)
+  model = t5.T5(cfg)
+  params = model.init(jax.random.PRNGKey(6))
+  tokens = np.random.RandomState(7).randint(2, cfg.vocab_size, (BATCH, 6)).astype(np.int32)
+  algo = decoding.Speculative(gamma=GAMMA, drafter=decoding.LayerSkipDrafter(layers=1))
+  run = lambda **kw: decoding.run(algo, model, params, tokens, max_decode_len=MAX_LEN,
+                                  sampling=SAMPLINGS["sampled"], rng=jax.random.PRNGKey(5), **kw)
+  ref = run()
+  _assert_same(run(mesh=partitioning.make_mesh("data=2,model=4")), ref)
+  assert 0 < np.sum(np.asarray(ref.stats.accepted))

@@ -104,12 +104,16 @@ class Proposal:
          probability, so 1 + the sum of the B largest confidences estimates the
          tokens per call of a budget-B tree from the draft alone (see
          `theory.tree_budget_choice`).
+  states [B, K, ...] or None: what the drafter computed at a chain's first K verify
+         inputs (s_m, nodes 0 .. K - 2) that its own verify call reuses
+         (`Drafter.verify_call`: the layer skip's residual streams); verifiers ignore it.
   """
   tokens: jax.Array
   q: Any
   parent: jax.Array
   length: Any = None
   confidence: Any = None
+  states: Any = None
 
   @property
   def size(self) -> int:

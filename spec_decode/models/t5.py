@@ -339,7 +339,22 @@ def _rowwise_self_attention() -> bool:
   return base.on_cpu_unless_set(ROWWISE_SELF_ATTENTION, "t5.ROWWISE_SELF_ATTENTION")
 
 
-_SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION")
+# The same for the one-token part of `decode_reusing` (the first layers on the last proposed
+# token, at batch 1): there the rowwise form pays. With dots XLA:CPU copied those layers' K/V
+# caches in every verify call (the tiny model's decoding loop: 8 more whole-cache copies per
+# reused layer; none in the rowwise form), and on the big EnDe target with its exit adapter
+# (k = 1, 16 examples, 9 interleaved rounds, AMD EPYC family 25 model 17) reuse gained
+# 1.07X (median per round; 1.03X over the fastest calls) in the rowwise form and 1.00X with
+# dots. None: on the CPU backend only; read when a function is traced.
+REUSE_ROWWISE_SELF_ATTENTION: bool | None = None
+
+
+def _reuse_rowwise_self_attention() -> bool:
+  return base.on_cpu_unless_set(REUSE_ROWWISE_SELF_ATTENTION, "t5.REUSE_ROWWISE_SELF_ATTENTION")
+
+
+_SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION",
+             "REUSE_ROWWISE_SELF_ATTENTION")
 
 
 @contextlib.contextmanager
@@ -702,10 +717,12 @@ class T5(base.ParamSpecs):
                         for y in self._heads(h, a, ("key", "value"), rows)))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
-                    cross_k_BNHS, cross_v_BNSH, cross_mask_BTS):
+                    cross_k_BNHS, cross_v_BNSH, cross_mask_BTS, rowwise=None):
     """One T5 decoder block (self-attention, cross-attention, MLP, each pre-normed and
     residual) on x [B, T, D] with T5X-named layer params `p`. The new tokens' K/V are
-    written into the cache rows at `offsets_B`; returns (x, self_k, self_v)."""
+    written into the cache rows at `offsets_B`; returns (x, self_k, self_v). rowwise: the
+    self-attention of a one-token call at batch 1 as summed multiplies
+    (ROWWISE_SELF_ATTENTION; None: as that switch says)."""
     c = self.config
     h = _Normed(x_BTD, p["pre_self_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["self_attention"]
@@ -714,7 +731,9 @@ class T5(base.ParamSpecs):
     k_all = _write_rows(self_k_BNHL, k, offsets_B, DecodeCache.POSITION_AXES["self_k"])
     v_all = _write_rows(self_v_BNLH, v, offsets_B, DecodeCache.POSITION_AXES["self_v"])
     one_row = x_BTD.shape[0] == 1 and x_BTD.shape[1] == 1
-    attend = _attend_rowwise if one_row and _rowwise_self_attention() else _attend
+    if rowwise is None:
+      rowwise = _rowwise_self_attention()
+    attend = _attend_rowwise if one_row and rowwise else _attend
     x = x_BTD + self._merge_heads(attend(q, k_all, v_all, self_bias, self_mask),
                                   a["out"]["kernel"])
     h = _Normed(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
@@ -728,35 +747,102 @@ class T5(base.ParamSpecs):
   @functools.partial(jax.jit, static_argnums=(0, 6))
   def _decode(self, params, cache: DecodeCache, tokens, positions=None, tree_mask=None,
               layers: tuple[int, ...] = ()):
-    c = self.config
     dec = params["decoder"]
     B, T = tokens.shape
     offsets = cache.lengths
-    self_bias, self_mask = self.self_attention_geometry(
+    geometry = self.self_attention_geometry(
         self._get(dec["relpos_bias"]["rel_embedding"], tokens), offsets, T, cache.max_length,
         positions, tree_mask)
-    cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
-                                  (B, T, cache.encoder_mask.shape[1]))
     x = self._embed(params, tokens)
+    x, x_prev, new_k, new_v, after = self._decoder_layers(
+        dec, cache, range(self.config.num_decoder_layers), x, x, offsets, geometry)
+    return self._decoded(params, cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
+                                               lengths=offsets + T),
+                         x, x_prev, jnp.concatenate([after[i] for i in layers], axis=-1)
+                         if layers else None)
+
+  def _decoder_layers(self, dec, cache: DecodeCache, indices, x, x_prev, offsets, geometry,
+                      self_kv=None, rowwise=None):
+    """Decoder layers `indices` on x [B, T, D], their new tokens written at `offsets`;
+    geometry: (bias, mask) of `self_attention_geometry`; self_kv: the layers' (K, V)
+    caches when not the cache's own. x_prev: what the first layer's streamed weights wait
+    for. Returns (x, x_prev, K caches, V caches, {layer: its output stream})."""
+    T = x.shape[1]
+    cross_mask = jnp.broadcast_to(cache.encoder_mask[:, None, :],
+                                  (x.shape[0], T, cache.encoder_mask.shape[1]))
     new_k, new_v, after = [], [], {}
-    x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
-    for i in range(c.num_decoder_layers):
+    for n, i in enumerate(indices):
       p = self._get(dec[f"layers_{i}"], x_prev)
       x_prev = x
-      x, k_all, v_all = self.decoder_layer(p, x, cache.self_k[i], cache.self_v[i], offsets,
-                                           self_bias, self_mask, cache.cross_k[i],
-                                           cache.cross_v[i], cross_mask)
+      k, v = (cache.self_k[i], cache.self_v[i]) if self_kv is None else self_kv[n]
+      x, k_all, v_all = self.decoder_layer(p, x, k, v, offsets, *geometry, cache.cross_k[i],
+                                           cache.cross_v[i], cross_mask, rowwise)
       new_k.append(k_all)
       new_v.append(v_all)
       after[i] = x
+    return x, x_prev, new_k, new_v, after
+
+  def _decoded(self, params, cache, x, x_prev, features=None) -> base.DecodeOutput:
+    """The decode call's output from the last layer's stream x: the final norm, the LM head."""
+    dec = params["decoder"]
     norm, head = self._get((dec["decoder_norm"]["scale"], self._head_kernel(params)), x_prev)
-    normed = _Normed(x, norm, c.layer_norm_epsilon)  # the logits' input, and the states out
-    return base.DecodeOutput(logits=self._logits(head, normed),
-                             cache=cache.replace(self_k=tuple(new_k), self_v=tuple(new_v),
-                                                 lengths=offsets + T),
-                             hidden=normed.value(),
-                             features=(jnp.concatenate([after[i] for i in layers], axis=-1)
-                                       if layers else None))
+    normed = _Normed(x, norm, self.config.layer_norm_epsilon)  # the logits' input, states out
+    return base.DecodeOutput(logits=self._logits(head, normed), cache=cache,
+                             hidden=normed.value(), features=features)
+
+  def decode_reusing(self, params: Params, cache: DecodeCache, tokens, *, streams,
+                     shallow_k, shallow_v) -> base.DecodeOutput:
+    """`decode(params, cache, tokens)` of a chain whose first T - 1 tokens already went
+    through this model's first k decoder layers in other calls with the same parameters
+    (self-speculation, `drafters.layer_skip`: the draft is those layers), so layers
+    0 .. k - 1 run on the last token only and layers k .. on all T.
+
+    streams [B, T - 1, D]: the residual streams after layer k - 1 of tokens 0 .. T - 2.
+    shallow_k, shallow_v: tuples over layers 0 .. k - 1 of caches laid out as this model's
+    (`DecodeCache.self_k`, `self_v`; any number of slots) holding those tokens' K and V at
+    slots lengths .. lengths + T - 2 (the draft's cache after its proposal); they are
+    copied into this cache. The logits equal `decode`'s up to float rounding (the first
+    layers ran in other calls). Returns what `decode` returns (features None)."""
+    tokens = _check_tokens(tokens, "tokens", self.config.vocab_size)
+    cache.check_append(tokens)
+    B, T = tokens.shape
+    k, n, D = len(shallow_k), self.config.num_decoder_layers, self.config.emb_dim
+    if not 1 <= k < n or len(shallow_v) != k:
+      raise ValueError(f"decode_reusing: shallow_k and shallow_v must cover the same 1 .. "
+                       f"{n - 1} first decoder layers, got {k} and {len(shallow_v)}")
+    if T < 2 or tuple(streams.shape) != (B, T - 1, D):
+      raise ValueError(f"decode_reusing: streams must be [B, T - 1, D] = {(B, T - 1, D)} "
+                       f"for tokens of shape {(B, T)} (T >= 2), got {tuple(streams.shape)}")
+    return self._decode_reusing(params, cache, tokens, streams, tuple(shallow_k),
+                                tuple(shallow_v))
+
+  @functools.partial(jax.jit, static_argnums=(0,))
+  def _decode_reusing(self, params, cache: DecodeCache, tokens, streams, shallow_k,
+                      shallow_v):
+    dec = params["decoder"]
+    B, T = tokens.shape
+    k = len(shallow_k)
+    offsets, last = cache.lengths, cache.lengths + T - 1
+    rel = dec["relpos_bias"]["rel_embedding"]
+    take = lambda src, axis: jax.vmap(  # each row's T - 1 slots from its offset
+        lambda s, o: jax.lax.dynamic_slice_in_dim(s, o, T - 1, axis=axis - 1))(src, offsets)
+    axes = DecodeCache.POSITION_AXES
+    self_kv = [(_write_rows(cache.self_k[i], take(shallow_k[i], axes["self_k"]), offsets,
+                            axes["self_k"]),
+                _write_rows(cache.self_v[i], take(shallow_v[i], axes["self_v"]), offsets,
+                            axes["self_v"])) for i in range(k)]
+    x = self._embed(params, tokens[:, T - 1:])  # the last token: layers 0 .. k - 1
+    x, x_prev, new_k, new_v, _ = self._decoder_layers(
+        dec, cache, range(k), x, x, last,
+        self.self_attention_geometry(self._get(rel, x), last, 1, cache.max_length), self_kv,
+        rowwise=_reuse_rowwise_self_attention())
+    x = jnp.concatenate([streams.astype(x.dtype), x], axis=1)  # all T: layers k ..
+    x, x_prev, deep_k, deep_v, _ = self._decoder_layers(
+        dec, cache, range(k, self.config.num_decoder_layers), x, x_prev, offsets,
+        self.self_attention_geometry(self._get(rel, x), offsets, T, cache.max_length))
+    return self._decoded(params, cache.replace(self_k=tuple(new_k + deep_k),
+                                               self_v=tuple(new_v + deep_v),
+                                               lengths=offsets + T), x, x_prev)
 
   def logits_from_hidden(self, params, x_BTD):
     """The LM head: final decoder states [B, T, D] -> float32 logits [B, T, V]."""

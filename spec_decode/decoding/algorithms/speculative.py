@@ -193,8 +193,11 @@ class Speculative(runner.Algorithm):
       layers = self.drafter.target_layers(ctx.draft)  # multi-layer features, when asked
       extra = {"layers": layers} if layers else {}
       if self.verifier.chain_only:
-        out = self._verify_call(target, params, s.target_cache, target_in, proposal, active,
-                                extra)
+        out = None if layers else self.drafter.verify_call(ctx, draft_state, s.target_cache,
+                                                           target_in, proposal)
+        if out is None:
+          out = self._verify_call(target, params, s.target_cache, target_in, proposal,
+                                  active, extra)
       else:
         depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), proposal.depths()], axis=1)
         tree = proposal.ancestor_mask()  # among the nodes; every node sees s_m

@@ -70,6 +70,14 @@ class Drafter:
   def propose(self, ctx, state, committed: Committed, keys, num: int) -> tuple[Proposal, object]:
     raise NotImplementedError
 
+  def verify_call(self, ctx, state, target_cache, target_in, proposal: Proposal):
+    """The target's verify call on target_in [B, K + 1] ([s_m, the chain]) made cheaper
+    from what `propose` computed (its returned `state` and `Proposal.states`), or None
+    (the default): the loop then calls `target.decode`. The result must be what that call
+    returns up to float rounding (the layer skip's `T5.decode_reusing`). Asked for chain
+    verifiers only, and only of a drafter that names no `target_layers`."""
+    return None
+
   def commit(self, ctx, state, committed: Committed, verdict: Verdict, proposal: Proposal):
     return state
 

@@ -9,6 +9,19 @@ layers are computed once per decode call from the target's encoder output, which
 computes once for both). The target then verifies as for any chain draft, so every verifier
 that is exact for a sampled chain keeps the target's distribution exactly.
 
+With `reuse` (the default) the verify call does not compute the first k layers twice: the
+draft's calls return their residual streams after layer k - 1 (`Proposal.states`, at s_m and
+the proposed tokens but the last), the verify call (`T5.decode_reusing`) copies the
+draft cache's K/V of those positions into the target's first k layers, runs those layers on
+the last proposed token only, and layers k .. on all gamma + 1 positions from the streams.
+What is skipped is the first k layers' work on gamma tokens; on a memory-bound step (one
+row on a CPU) that is little, as the weights are read either way; at batch or on
+compute-bound hardware it is up to k / L of the verify call's layer work. The target's
+probabilities are the same function of the same parameters (their first layers ran in
+the draft's calls: equal up to float rounding), so every exact verifier stays exact. The
+cost model (`Speculative.cost_model`) still charges the verify call as `target.decode`'s:
+with reuse it over-charges by what reuse saves (`experiments/shallow_reuse.py` measures it).
+
 Cost: a draft step reads k of the target's L decoder layers plus its LM head, so
 c ~ (k x layer + head) / (L x layer + head); the target's weights are shared, no memory is
 added beyond the draft's cache. Acceptance: what the first k layers of a model trained
@@ -69,12 +82,15 @@ class LayerSkipDrafter(ModelDrafter):
   `adapter`, through the exit adapter the decode call is given as its draft model."""
   layers: int = 2
   adapter: bool = False
+  reuse: bool = True
 
   def __post_init__(self):
     if not is_int(self.layers) or self.layers < 1:
       raise ValueError(f"LayerSkipDrafter.layers must be an int >= 1, got {self.layers!r}")
-    if not isinstance(self.adapter, bool):
-      raise ValueError(f"LayerSkipDrafter.adapter must be True or False, got {self.adapter!r}")
+    for name in ("adapter", "reuse"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"LayerSkipDrafter.{name} must be True or False, got "
+                         f"{getattr(self, name)!r}")
 
   @property
   def needs_draft_model(self) -> bool:  # overrides the class attribute: the adapter
@@ -120,6 +136,24 @@ class LayerSkipDrafter(ModelDrafter):
 
   def propose(self, ctx, cache, committed, keys_BK, num: int, forced=None):
     return super().propose(self._draft_ctx(ctx), cache, committed, keys_BK, num, forced=forced)
+
+  def _decode(self, ctx, cache, tokens):
+    """The draft's call; with `reuse`, also its residual stream after layer k - 1 (the
+    target's layer-k input) as `features`, for `verify_call`."""
+    if not self.reuse:
+      return super()._decode(ctx, cache, tokens)
+    return ctx.draft.decode(ctx.draft_params, cache, tokens, layers=(self.layers - 1,))
+
+  def verify_call(self, ctx, state, target_cache, target_in, proposal):
+    """With `reuse`: the target's call from the draft's first-layer work
+    (`T5.decode_reusing`; `state` is the draft's cache after the proposal, holding s_m and
+    the proposed tokens but the last at the target cache's next slots)."""
+    if not self.reuse or proposal.states is None:
+      return None
+    k = self.layers
+    return ctx.target.decode_reusing(ctx.target_params, target_cache, target_in,
+                                     streams=proposal.states, shallow_k=state.self_k[:k],
+                                     shallow_v=state.self_v[:k])
 
   def proposal_loop(self, workload: timing.Workload, *, gamma: int, steps: int,
                     verify_tokens: int = 0):

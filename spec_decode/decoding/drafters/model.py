@@ -43,13 +43,24 @@ class ModelDrafter(Drafter):
     `lax.cond` on the iteration costs a conditional and its operand copies in every
     iteration of the loop.)
     """
-    draft, params = ctx.draft, ctx.draft_params
+    logits, _, cache = self._first_call(ctx, cache, committed)
+    return logits, cache
+
+  def _first_call(self, ctx, cache, committed: Committed):
+    """`first_logits` and the call's `features` at s_m ([B, ...], None when `_decode`
+    asks for none)."""
     m = committed.length
     first = m == 0
     tokens = jnp.stack([committed.token_at(m - 1), committed.token_at(m)], axis=1)
-    out = draft.decode(params, cache.rewind(jnp.maximum(m - 1, 0)), tokens)
-    logits = jnp.where(first[:, None], out.logits[:, 0], out.logits[:, 1])
-    return logits, out.cache.rewind(jnp.where(first, 1, m + 1))
+    out = self._decode(ctx, cache.rewind(jnp.maximum(m - 1, 0)), tokens)
+    pick = lambda x: None if x is None else jnp.where(
+        first.reshape((-1,) + (1,) * (x.ndim - 2)), x[:, 0], x[:, 1])
+    return pick(out.logits), pick(out.features), out.cache.rewind(jnp.where(first, 1, m + 1))
+
+  def _decode(self, ctx, cache, tokens):
+    """The draft model's call on tokens [B, T]; a subclass may ask it for `features`, which
+    `propose` then returns per proposed position as `Proposal.states`."""
+    return ctx.draft.decode(ctx.draft_params, cache, tokens)
 
   def proposal_loop(self, workload, *, gamma: int, steps: int, verify_tokens: int = 0):
     """gamma single-token steps of the draft model per proposal: the paper's cost gamma T_q,
@@ -68,8 +79,8 @@ class ModelDrafter(Drafter):
     use [B] bool): rows with `use` take these tokens instead of drawing (their q a point
     mass at each), and the draft is fed them, so its cache holds what such a row commits
     (a drafter that proposes something else for some rows: `LookupDrafter.fallback`)."""
-    draft, params, sampling = ctx.draft, ctx.draft_params, ctx.sampling
-    logits, cache = self.first_logits(ctx, cache, committed)
+    sampling = ctx.sampling
+    logits, features, cache = self._first_call(ctx, cache, committed)
     greedy = sampling.greedy  # then each token is the argmax: a point mass, no q to carry
     use_B = None if forced is None else forced[1]
 
@@ -96,12 +107,15 @@ class ModelDrafter(Drafter):
     def step(carry, inputs):
       cache, x = carry
       key_B, forced_B = inputs if forced is not None else (inputs, None)
-      out = draft.decode(params, cache, x[:, None])
-      x, q = choose(key_B, out.logits[:, 0], forced_B)
-      return (out.cache, x), (x, q)
+      out = self._decode(ctx, cache, x[:, None])
+      x_next, q = choose(key_B, out.logits[:, 0], forced_B)
+      return (out.cache, x_next), (x_next, q, None if out.features is None else
+                                   out.features[:, 0])
 
     cache = ctx.constrain_cache(cache, "draft")
-    (cache, _), (xs, qs) = jax.lax.scan(step, (cache, x1), inputs)
-    x = jnp.concatenate([x1[:, None], jnp.swapaxes(xs, 0, 1)], axis=1)
-    q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
-    return Proposal.chain(x, q), ctx.constrain_cache(cache, "draft")
+    (cache, _), (xs, qs, fs) = jax.lax.scan(step, (cache, x1), inputs)
+    stack = lambda first, rest: jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], 1)
+    q = None if greedy else stack(q1, qs)
+    states = None if features is None else stack(features, fs)  # at s_m, x_1 .. x_{num-1}
+    return (Proposal.chain(stack(x1, xs), q).replace(states=states),
+            ctx.constrain_cache(cache, "draft"))
