@@ -19,7 +19,8 @@ import pytest
 
 from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
                          kernel_threads, paper_tables, peers, reproduce, results_readme,
-                         setup_cost, setups, step_variants, trees, verify_scaling)
+                         setup_cost, setups, shallow_reuse, step_variants, trees,
+                         verify_scaling)
 from spec_decode import decoding, experiment, theory
 from spec_decode.experiment import measure
 from spec_decode.models import delayed as delay
@@ -568,6 +569,26 @@ def test_draft_free_tiny(out):
     draft_free.main(["--tasks", "fr"])
   with pytest.raises(SystemExit):
     draft_free.main(["--layers", "0"])
+
+
+@pytest.mark.slow
+def test_shallow_reuse_tiny(out):
+  paths = shallow_reuse.main(["--scale", "tiny", "--num_examples", "3", "--batch_sizes", "2",
+                              "--repeats", "1", "--results_dir", out["results"]])
+  rows = _json(paths["json"])["rows"]
+  assert [(r["decoder"], r["reuse"]) for r in rows] == [
+      ("layer skip 1", True), ("layer skip 1, no reuse", False),
+      ("layer skip 1 + exit adapter", True), ("layer skip 1 + exit adapter, no reuse", False)]
+  for r in rows:
+    assert r["batch"] == 2 and r["examples"] == 2  # whole batches of the 3 examples
+    assert r["identical_fraction"] == 1.0  # greedy: both forms equal the baseline
+    assert r["speedup"] > 0 and (r["reuse_gain"] > 0 if r["reuse"] else
+                                 r["reuse_gain"] is None)
+  # the two forms verify the same proposals: the same tokens per call
+  assert rows[0]["tokens_per_call"] == rows[1]["tokens_per_call"]
+  assert rows[2]["tokens_per_call"] == rows[3]["tokens_per_call"]
+  with pytest.raises(SystemExit):
+    shallow_reuse.main(["--batch_sizes", "0"])
 
 
 @pytest.mark.slow
