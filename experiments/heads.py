@@ -174,7 +174,8 @@ def run(args, meta) -> harness.Output:
     notes.append("The big targets (T5.1.1-small-shaped, 45.6M) and the small draft decode "
                  "with the checkpoints' bfloat16 weights (read by the CPU kernel, float32 "
                  "arithmetic), as the main job does; so do the EAGLE heads' layer, fc and fuse "
-                 "kernels (`EagleHead.decode_params`), the rest of each head in float32.")
+                 "kernels (`EagleHead.decode_params`) and each MTP module's layer and fc "
+                 "kernels (`MtpModules.decode_params`), the rest of each head in float32.")
   notes += [f"{args.num_examples} {args.split} examples per task, batch 1, {args.repeats} "
            "interleaved rounds (median); speedup = baseline seconds / decoder seconds.",
            "c: each decoder's proposal (its drafter's own propose in a jitted loop: the small "

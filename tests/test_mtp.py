@@ -192,3 +192,41 @@ def test_demo_modules_config_and_shipped_modules(task):
                                       head_checkpoints.load)
   assert modules.num_modules == cfg.num_modules
   modules.check_params(params)
+
+
+def test_modules_decode_with_the_packed_kernel_as_a_target_does():
+  """Modules wide enough for the CPU kernel are laid out for it (`MtpModules.decode_params`:
+  each module's layer and fc kernels packed, as an EAGLE head's are), a window step gives the
+  unpacked modules' states, and the loop (which decodes with that layout) still equals
+  autoregressive greedy decoding."""
+  from spec_decode.kernels import cpu_matmul
+  from spec_decode.models import base, t5
+  if not cpu_matmul.available():
+    pytest.skip(f"the CPU decoding kernel is not available: {cpu_matmul.unavailable_reason()}")
+  from test_eagle import V as vocab
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=vocab, emb_dim=256, mlp_dim=512))
+  tp = target.init(jax.random.PRNGKey(3))
+  modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
+  mp = modules.init(jax.random.PRNGKey(4))
+  packed = base.decoding_params(modules, mp)
+  is_packed = lambda x: isinstance(x, cpu_matmul.PackedKernel)
+  for k in (1, 2):
+    one = modules.module_params(packed, k)
+    assert is_packed(one["fc"]["kernel"]) and is_packed(one["layers_0"]["mlp"]["wo"]["kernel"])
+  rs = np.random.RandomState(0)
+  enc = rs.randint(2, vocab, (3, S)).astype(np.int32)
+  encoded = target.encode(tp, enc)
+  states = jnp.asarray(rs.randn(3, 4, modules.d_model), jnp.float32)
+  tokens = jnp.asarray(rs.randint(2, vocab, (3, 4)), jnp.int32)
+  at = jnp.asarray([0, 2, 3], jnp.int32)
+  got = []
+  for p in (mp, packed):
+    cache = modules.init_caches(p, encoded, 8, 2)[1]
+    h, _, logits = modules.window_step(p, 2, cache, states, tokens, at, target, tp)
+    got.append((np.asarray(h), np.asarray(logits)))
+  np.testing.assert_allclose(got[1][0], got[0][0], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(got[1][1], got[0][1], rtol=1e-4, atol=1e-4)
+  ar = decoding.autoregressive(target, tp, enc, max_decode_len=L)
+  out = decoding.run(_speculative(2), target, tp, enc, draft=modules, draft_params=mp,
+                     max_decode_len=L)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))

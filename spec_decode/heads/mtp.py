@@ -99,6 +99,16 @@ class MtpModules(base.ParamSpecs):
     """Raises ValueError unless `params` has these modules' names and shapes."""
     self.check_param_names(params, f"MTP module ({self.num_modules} modules)")
 
+  def decode_params(self, params) -> dict:
+    """`params` laid out for decoding: each module's as an EAGLE head's are
+    (`EagleHead.decode_params`: on XLA:CPU its layer's and fc's kernels packed for the CPU
+    decoding kernel, in bfloat16 when the modules were stored in bfloat16); the same values.
+    A proposal runs every module over a window of 2 gamma positions, so the modules' products
+    read their weights as the verify call reads the target's, at half the bytes of XLA's
+    float32 dots."""
+    module = self.module
+    return {name: module.decode_params(p) for name, p in params.items()}
+
   def check_target(self, target) -> None:
     """Raises ValueError unless `target` is a T5 whose states and LM head these modules read."""
     eagle.check_feature_target(target, self.d_model, self.vocab_size, "an MTP module stack")
