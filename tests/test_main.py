@@ -491,6 +491,28 @@ def test_gamma_chosen_from_warmup_and_kept_on_resume(tmp_path):
       main.run([TOY], SMALL + ["NUM_EXAMPLES = 6"] + choose, out, show_progress=False)
 
 
+def test_gamma_choice_stays_within_what_the_drafter_can_propose():
+  """A warm-up choosing gamma for MTP modules or Medusa heads chooses among the gammas the
+  drafter can propose (4 modules: at most 4), not up to GammaChoice.max_gamma, which the
+  drafter refuses mid-run; a model drafter has no limit of its own."""
+  import types
+  from spec_decode.experiment import gamma as gamma_choice
+  def run_setup(drafter, draft, max_gamma=10, decode_len=48):
+    config = types.SimpleNamespace(
+        gamma_choice=experiment.GammaChoice(decoder="d", max_gamma=max_gamma),
+        decode_len=decode_len, decoders={"d": decoding.Speculative(gamma=2, drafter=drafter)})
+    return types.SimpleNamespace(config=config, draft=draft)
+  modules, heads = types.SimpleNamespace(num_modules=4), types.SimpleNamespace(num_heads=3)
+  assert decoding.MtpDrafter().max_gamma(modules) == 4
+  assert decoding.MedusaDrafter().max_gamma(heads) == 3
+  assert decoding.ModelDrafter().max_gamma(None) is None
+  assert gamma_choice._max_gamma(run_setup(decoding.MtpDrafter(), modules)) == 4
+  assert gamma_choice._max_gamma(run_setup(decoding.MedusaDrafter(), heads)) == 3
+  assert gamma_choice._max_gamma(run_setup(decoding.MtpDrafter(), modules, max_gamma=2)) == 2
+  assert gamma_choice._max_gamma(run_setup(decoding.ModelDrafter(), None)) == 10
+  assert gamma_choice._max_gamma(run_setup(decoding.ModelDrafter(), None, decode_len=6)) == 6
+
+
 @pytest.mark.slow
 def test_gamma_choice_with_in_loop_costs(tmp_path):
   """GammaChoice.in_loop_costs: c is the proposal's cost after a verify call (recorded as

@@ -26,10 +26,14 @@ def verify_probe_tokens(max_gamma: int) -> tuple[int, ...]:
 GAMMA_FILE = results.GAMMA
 
 
-def _max_gamma(config) -> int:
-  """The largest gamma a warm-up may choose: GammaChoice.max_gamma, and no more than the
-  tokens decoded per example (no call keeps more)."""
-  return min(config.gamma_choice.max_gamma, config.decode_len)
+def _max_gamma(s: setup.Setup) -> int:
+  """The largest gamma a warm-up may choose: GammaChoice.max_gamma, no more than the tokens
+  decoded per example (no call keeps more), and no more than the decoder's drafter can
+  propose with the run's draft (`Drafter.max_gamma`: 4 MTP modules propose 4 tokens)."""
+  cfg = s.config
+  limit = min(cfg.gamma_choice.max_gamma, cfg.decode_len)
+  own = cfg.decoders[cfg.gamma_choice.decoder].drafter.max_gamma(s.draft)
+  return limit if own is None else min(limit, own)
 
 
 def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
@@ -63,11 +67,12 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
         raise results.OutputDirError(f"{path} (the gamma chosen from warm-up measurements) "
                                      f"is corrupt: gamma {g!r} is not an int >= 0; delete it "
                                      "to choose again")
-      if g > _max_gamma(s.config):  # no choice the warm-up could make
+      if g > _max_gamma(s):  # no choice the warm-up could make
         raise results.OutputDirError(
             f"{path} (the gamma chosen from warm-up measurements) is corrupt: gamma {g} is "
-            f"above the largest this run may choose (GammaChoice.max_gamma {gc.max_gamma}, "
-            f"{s.config.decode_len} tokens decoded per example); delete it to choose again")
+            f"above the largest this run may choose ({_max_gamma(s)}: GammaChoice.max_gamma "
+            f"{gc.max_gamma}, {s.config.decode_len} tokens decoded per example, and what "
+            "the drafter can propose); delete it to choose again")
   else:
     cfg = s.config
     warmup = s.examples[:gc.warmup_examples]
@@ -87,7 +92,7 @@ def choose_gamma(s: setup.Setup, output_dir: str) -> dict[str, Any]:
                        "(ExperimentConfig.gamma_choice = None) or raise "
                        "GammaChoice.warmup_examples")
     measured = gc.rule == "cost_model"
-    max_gamma = _max_gamma(cfg)
+    max_gamma = _max_gamma(s)
     steps = measure.measure_step_times(s, repeats=cfg.step_timing_repeats, verify_tokens=(
         verify_probe_tokens(max_gamma) if measured else ()), in_loop=gc.in_loop_costs)
     c = steps["c_in_loop_by_decoder" if gc.in_loop_costs else "c_by_decoder"][gc.decoder]

@@ -56,6 +56,11 @@ class Drafter:
     """K, the most tokens one proposal holds (a chain: gamma)."""
     return gamma
 
+  def max_gamma(self, draft) -> int | None:
+    """The longest proposal this drafter can make with `draft` (its MTP modules, its
+    Medusa heads), or None where only the decode length bounds it (the default)."""
+    return None
+
   def check_models(self, target, draft) -> None:
     """Raises ValueError when the models cannot serve this drafter."""
 

@@ -54,6 +54,9 @@ class MedusaDrafter(Drafter):
                        f"(spec_decode.heads.medusa), got {type(draft).__name__}")
     draft.check_target(target)
 
+  def max_gamma(self, draft) -> int:
+    return draft.num_heads
+
   def init(self, ctx, room: int):
     return jnp.zeros((ctx.batch_size, ctx.target.config.emb_dim), jnp.float32)
 

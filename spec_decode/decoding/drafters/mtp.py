@@ -97,6 +97,9 @@ class MtpDrafter(Drafter):
                        f"model, got {type(draft).__name__}")
     draft.check_target(target)
 
+  def max_gamma(self, draft) -> int:
+    return draft.num_modules
+
   def init(self, ctx, room: int):
     if ctx.mesh is not None:
       raise ValueError("MtpDrafter runs unsharded only (mesh=None)")
