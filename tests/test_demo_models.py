@@ -32,8 +32,9 @@ MODELS = tuple(f"{task}_{m}" for task in ("ende", "cnndm") for m in ("target",) 
     "ende_target_big", "cnndm_target_big", "ende_small_distilled_big",
     "cnndm_small_distilled_big")
 MB = 1 << 20
-# Each big target is about 72 MB (45.6M bfloat16 parameters); the rest about 38 MB.
-TOTAL_BUDGET_MB = 210
+# Each big target is about 72 MB (45.6M bfloat16 parameters), the big EnDe target's MTP
+# modules (14.7M) 23 MB; the rest about 70 MB.
+TOTAL_BUDGET_MB = 240
 ENDE_QUALITY = 45.0
 CNNDM_QUALITY = 50.0
 # task: (generated task, input length, output length, examples for quality, metric, threshold)
@@ -140,6 +141,21 @@ def test_demo_medusa_heads_fit_their_targets(name, target, num):
   heads.check_target(t5.T5(tcfg))
   heads.check_params(params)
   assert heads.num_heads == num
+
+
+# (MTP modules, the target they were trained on, modules): the 3.7M targets' and the big
+# EnDe target's.
+MTP_HEADS = [("ende_mtp", "ende_target", 4), ("cnndm_mtp", "cnndm_target", 4),
+             ("ende_big_mtp", "ende_target_big", 4)]
+
+
+@pytest.mark.parametrize("name,target,num", MTP_HEADS, ids=[h for h, _, _ in MTP_HEADS])
+def test_demo_mtp_modules_fit_their_targets(name, target, num):
+  modules, params = head_checkpoints.load(os.path.join(DEMO, name), kind="mtp")
+  tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
+  modules.check_target(t5.T5(tcfg))
+  modules.check_params(params)
+  assert modules.num_modules == num
 
 
 # (task, target): each task's demo target and its big (T5.1.1-small-shaped) target.
