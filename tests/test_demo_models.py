@@ -129,34 +129,23 @@ def test_demo_eagle_heads_fit_their_targets(name, target, fused):
   assert head.config.fuse_layers == fused
 
 
-# (Medusa heads, the target they were trained on, heads).
-MEDUSA_HEADS = [("ende_medusa", "ende_target", 4), ("cnndm_medusa", "cnndm_target", 4),
-                ("ende_big_medusa", "ende_target_big", 4),
-                ("cnndm_big_medusa", "cnndm_target_big", 4)]
+# (kind, heads, the target they were trained on, how many tokens they propose): Medusa heads
+# and MTP modules on the 3.7M and the big targets.
+HEAD_STACKS = [("medusa", "ende_medusa", "ende_target", 4),
+               ("medusa", "cnndm_medusa", "cnndm_target", 4),
+               ("medusa", "ende_big_medusa", "ende_target_big", 4),
+               ("medusa", "cnndm_big_medusa", "cnndm_target_big", 4),
+               ("mtp", "ende_mtp", "ende_target", 4), ("mtp", "cnndm_mtp", "cnndm_target", 4),
+               ("mtp", "ende_big_mtp", "ende_target_big", 4)]
 
 
-@pytest.mark.parametrize("name,target,num", MEDUSA_HEADS, ids=[h for h, _, _ in MEDUSA_HEADS])
-def test_demo_medusa_heads_fit_their_targets(name, target, num):
-  heads, params = head_checkpoints.load(os.path.join(DEMO, name), kind="medusa")
+@pytest.mark.parametrize("kind,name,target,num", HEAD_STACKS, ids=[h[1] for h in HEAD_STACKS])
+def test_demo_medusa_heads_and_mtp_modules_fit_their_targets(kind, name, target, num):
+  heads, params = head_checkpoints.load(os.path.join(DEMO, name), kind=kind)
   tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
   heads.check_target(t5.T5(tcfg))
   heads.check_params(params)
-  assert heads.num_heads == num
-
-
-# (MTP modules, the target they were trained on, modules): the 3.7M targets' and the big
-# EnDe target's.
-MTP_HEADS = [("ende_mtp", "ende_target", 4), ("cnndm_mtp", "cnndm_target", 4),
-             ("ende_big_mtp", "ende_target_big", 4)]
-
-
-@pytest.mark.parametrize("name,target,num", MTP_HEADS, ids=[h for h, _, _ in MTP_HEADS])
-def test_demo_mtp_modules_fit_their_targets(name, target, num):
-  modules, params = head_checkpoints.load(os.path.join(DEMO, name), kind="mtp")
-  tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
-  modules.check_target(t5.T5(tcfg))
-  modules.check_params(params)
-  assert modules.num_modules == num
+  assert (heads.num_heads if kind == "medusa" else heads.num_modules) == num
 
 
 # (task, target): each task's demo target and its big (T5.1.1-small-shaped) target.

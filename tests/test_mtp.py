@@ -27,6 +27,8 @@ from spec_decode import decoding
 from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.decoding.drafters.mtp import MtpDrafter
 from spec_decode.heads import mtp
+from spec_decode.kernels import cpu_matmul
+from spec_decode.models import base, t5
 from spec_decode.train import mtp as train_mtp
 from test_eagle import L, N, S, V, _CountingT5, tiny_target_and_split
 from test_speculative import _check_greedy_rows
@@ -199,12 +201,9 @@ def test_modules_decode_with_the_packed_kernel_as_a_target_does():
   each module's layer and fc kernels packed, as an EAGLE head's are), a window step gives the
   unpacked modules' states, and the loop (which decodes with that layout) still equals
   autoregressive greedy decoding."""
-  from spec_decode.kernels import cpu_matmul
-  from spec_decode.models import base, t5
   if not cpu_matmul.available():
     pytest.skip(f"the CPU decoding kernel is not available: {cpu_matmul.unavailable_reason()}")
-  from test_eagle import V as vocab
-  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=vocab, emb_dim=256, mlp_dim=512))
+  target = t5.T5(t5.T5Config.preset("t5_1_1_tiny", vocab_size=V, emb_dim=256, mlp_dim=512))
   tp = target.init(jax.random.PRNGKey(3))
   modules = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=2))
   mp = modules.init(jax.random.PRNGKey(4))
@@ -214,10 +213,10 @@ def test_modules_decode_with_the_packed_kernel_as_a_target_does():
     one = modules.module_params(packed, k)
     assert is_packed(one["fc"]["kernel"]) and is_packed(one["layers_0"]["mlp"]["wo"]["kernel"])
   rs = np.random.RandomState(0)
-  enc = rs.randint(2, vocab, (3, S)).astype(np.int32)
+  enc = rs.randint(2, V, (3, S)).astype(np.int32)
   encoded = target.encode(tp, enc)
   states = jnp.asarray(rs.randn(3, 4, modules.d_model), jnp.float32)
-  tokens = jnp.asarray(rs.randint(2, vocab, (3, 4)), jnp.int32)
+  tokens = jnp.asarray(rs.randint(2, V, (3, 4)), jnp.int32)
   at = jnp.asarray([0, 2, 3], jnp.int32)
   got = []
   for p in (mp, packed):
