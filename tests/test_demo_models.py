@@ -32,7 +32,7 @@ MODELS = tuple(f"{task}_{m}" for task in ("ende", "cnndm") for m in ("target",) 
     "ende_target_big", "cnndm_target_big", "ende_small_distilled_big",
     "cnndm_small_distilled_big")
 MB = 1 << 20
-# Each big target is about 72 MB (45.6M bfloat16 parameters), the big EnDe target's MTP
+# Each big target is about 72 MB (45.6M bfloat16 parameters), each big target's MTP
 # modules (14.7M) 23 MB; the rest about 76 MB.
 TOTAL_BUDGET_MB = 265
 ENDE_QUALITY = 45.0
