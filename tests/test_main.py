@@ -15,6 +15,7 @@ import pytest
 from spec_decode import checkpoints, decoding, experiment, paths, theory
 from spec_decode.cli import gin as gin_layer
 from spec_decode.cli import main
+from spec_decode.experiment import gamma as gamma_choice
 from spec_decode.experiment import model_specs
 from spec_decode.experiment import results
 
@@ -496,7 +497,6 @@ def test_gamma_choice_stays_within_what_the_drafter_can_propose():
   drafter can propose (4 modules: at most 4), not up to GammaChoice.max_gamma, which the
   drafter refuses mid-run; a model drafter has no limit of its own."""
   import types
-  from spec_decode.experiment import gamma as gamma_choice
   def run_setup(drafter, draft, max_gamma=10, decode_len=48):
     config = types.SimpleNamespace(
         gamma_choice=experiment.GammaChoice(decoder="d", max_gamma=max_gamma),
@@ -613,6 +613,24 @@ def test_gamma_choice_fallback_threshold_is_checked(value):
 def test_gamma_choice_timing_rounds_are_checked(value):
   with pytest.raises(ValueError, match="GammaChoice.timing_rounds must be an int >= 0"):
     experiment.GammaChoice(timing_rounds=value)
+
+
+@pytest.mark.parametrize("examples,rows,calls", [
+    (16, 32, [list(range(16)) * 2]),  # refill: 4 batches of 8 per call, 16 warm-up examples
+    (16, 8, [list(range(8)), list(range(8, 16))]),
+    (3, 2, [[0, 1], [2, 0]]),
+    (1, 1, [[0]])])
+def test_warmup_calls_fill_the_last_call_with_the_warmup_examples_again(examples, rows, calls):
+  """The timed warm-up's calls hold the run's rows; a short last call is filled by cycling
+  through the warm-up examples, not with copies of its last one (rows that would all accept
+  alike and finish together)."""
+  assert gamma_choice.warmup_calls(list(range(examples)), rows) == calls
+
+
+@pytest.mark.parametrize("examples,rows", [(0, 8), (4, 0)])
+def test_warmup_calls_need_examples_and_rows(examples, rows):
+  with pytest.raises(ValueError, match="need warm-up examples and rows >= 1"):
+    gamma_choice.warmup_calls(list(range(examples)), rows)
 
 
 @pytest.mark.slow
