@@ -276,11 +276,18 @@ def exit_host_lost(line: str, error: BaseException | None = None) -> None:
     os._exit(EXIT_HOST_LOST)
 
 
+# After descriptor 2 points at /dev/null, a write another thread began before still goes to
+# the real stderr; the line waits this long for such writes (host_abort.cc's Drain).
+_DRAIN_SECONDS = 0.05
+
+
 def _write_last(text: str) -> None:
-  """Writes text to stderr's file descriptor after pointing descriptor 2 at /dev/null."""
+  """Writes text to stderr's file descriptor after pointing descriptor 2 at /dev/null
+  and letting writes already under way there finish."""
   real = os.dup(2)
   null = os.open(os.devnull, os.O_WRONLY)
   os.dup2(null, 2)
+  time.sleep(_DRAIN_SECONDS)
   data = text.encode("utf-8", "replace")
   while data:
     data = data[os.write(real, data):]
