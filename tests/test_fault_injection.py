@@ -123,15 +123,25 @@ def test_a_signal_after_the_last_row_before_the_results(tmp_path, reference, sig
 
 def _ctrl_c(command, wait, delay_s: float) -> tuple[int, str]:
   """Runs `command` (stdout piped), waits for wait(proc) and delay_s more, sends SIGINT:
-  (exit code, stderr)."""
+  (exit code, stderr). A child still running 120 s after the signal is sent SIGABRT, and
+  the failure shows where each of its threads was (Python's fault handler, on in the child):
+  the training command once went on past its Ctrl-C in a suite run and never again in 52
+  tries alone."""
+  env = dict(os.environ, PYTHONFAULTHANDLER="1")
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, preexec_fn=interruptible)
+                          text=True, preexec_fn=interruptible, env=env)
   try:
     wait(proc)
     time.sleep(delay_s)
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+      _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      proc.send_signal(signal.SIGABRT)
+      _, err = proc.communicate(timeout=60)
+      raise AssertionError(f"still running 120 s after SIGINT; its threads at SIGABRT:\n"
+                           f"{err[-8000:]}") from None
   finally:
     proc.kill()
     proc.wait()
