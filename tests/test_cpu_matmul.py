@@ -64,7 +64,7 @@ def test_pack_round_trip_and_layout():
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 13, 40])
 @pytest.mark.parametrize("k,n", [(33, 50), (64, 16), (256, 200)])
 def test_matmul_matches_numpy(m, k, n):
   rng = np.random.default_rng(m * 1000 + k + n)

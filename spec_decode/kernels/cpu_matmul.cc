@@ -10,7 +10,7 @@
 //
 // Variants (chosen per weight shape and row count by the caller, `variant`):
 //   8: 8-wide vectors, up to 6 rows x 2 vectors per block (16 registers: AVX2 + FMA);
-//  16: 16-wide vectors, up to 6 rows x 4 panels or 12 rows x 2 panels per block (32
+//  16: 16-wide vectors, up to 7 rows x 4 panels, 9 rows x 3 or 12 rows x 2 per block (32
 //      registers: AVX-512), built only when the compiler targets AVX-512F (the host's
 //      -march=native);
 // each with or without its weight vectors held in registers (`InRegister`), with or
@@ -65,7 +65,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kPrefetchBytes = 2048;  // ahead of the hardware prefetcher, per panel
 constexpr int kMaxRowBlock = 12;  // rows per block: up to 6 (16 registers), 12 (32)
-constexpr int kGroup = 4;  // panels read from memory once per row sweep
+constexpr int kGroup = 4;  // panels read from memory once per row sweep (at least)
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
@@ -230,13 +230,15 @@ constexpr Blocks<f32x8, T> kBlocks8 = {
 #ifdef __AVX512F__
 template <typename T, bool PF, bool PIN>
 constexpr Blocks<f32x16, T> kBlocks16 = {
-    12,  // 32 registers: up to 24 accumulators (6 rows x 4 panels, 12 x 2)
-    {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
+    12,  // 32 registers: R rows x P panels of accumulators and P weight vectors, P (R + 1)
+         // <= 32, as many panels as fit (the fewer panels a block streams at once, the
+         // less of the memory's latency its loads overlap)
+    {0, 4, 4, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2},
     {nullptr, Block<f32x16, T, 1, 4, PF, PIN>, Block<f32x16, T, 2, 4, PF, PIN>,
      Block<f32x16, T, 3, 4, PF, PIN>, Block<f32x16, T, 4, 4, PF, PIN>,
      Block<f32x16, T, 5, 4, PF, PIN>, Block<f32x16, T, 6, 4, PF, PIN>,
-     Block<f32x16, T, 7, 2, PF, PIN>, Block<f32x16, T, 8, 2, PF, PIN>,
-     Block<f32x16, T, 9, 2, PF, PIN>, Block<f32x16, T, 10, 2, PF, PIN>,
+     Block<f32x16, T, 7, 4, PF, PIN>, Block<f32x16, T, 8, 3, PF, PIN>,
+     Block<f32x16, T, 9, 3, PF, PIN>, Block<f32x16, T, 10, 2, PF, PIN>,
      Block<f32x16, T, 11, 2, PF, PIN>, Block<f32x16, T, 12, 2, PF, PIN>},
     {nullptr, Block<f32x16, T, 1, 1, PF, PIN>, Block<f32x16, T, 2, 1, PF, PIN>,
      Block<f32x16, T, 3, 1, PF, PIN>, Block<f32x16, T, 4, 1, PF, PIN>,
@@ -246,8 +248,24 @@ constexpr Blocks<f32x16, T> kBlocks16 = {
      Block<f32x16, T, 11, 1, PF, PIN>, Block<f32x16, T, 12, 1, PF, PIN>}};
 #endif
 
-// Panels [j0, j1) for every row block; a group of kGroup panels is read from memory once
-// and from cache for the following row blocks. Rows go in blocks of at most max_rows,
+// The rows of `Panels`' first row block for M rows.
+template <typename V, typename T>
+int64_t FirstBlockRows(const Blocks<V, T>& blocks, int64_t M, bool full_first) {
+  const int64_t row_blocks = (M + blocks.max_rows - 1) / blocks.max_rows;
+  return full_first ? std::min<int64_t>(blocks.max_rows, M)
+                    : M / row_blocks + (M % row_blocks ? 1 : 0);
+}
+
+// The panels the first row block takes at once: a group's size and a thread's share of the
+// panels are multiples of it, so that its blocks tile them (3-panel blocks in groups of 4
+// would leave every group's last panel to a single-panel block).
+template <typename V, typename T>
+int64_t Unit(const Blocks<V, T>& blocks, int64_t M, bool full_first) {
+  return M < 1 ? 1 : blocks.panels[FirstBlockRows(blocks, M, full_first)];
+}
+
+// Panels [j0, j1) for every row block; a group of kGroup or more panels (a multiple of
+// `Unit`) is read from memory once and from cache for the following row blocks. Rows go in blocks of at most max_rows,
 // either as even as possible (8 rows of 6: 4 + 4) or, with `full_first`, full blocks first
 // and the rest last (6 + 2). A small last block does as many weight loads as a full one
 // for fewer products, but it reads them from cache, and the first block, the one that
@@ -256,8 +274,10 @@ constexpr Blocks<f32x16, T> kBlocks16 = {
 template <typename V, typename T>
 void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1,
             bool full_first) {
-  for (int64_t g = j0; g < j1; g += kGroup) {
-    const int64_t g1 = std::min(j1, g + kGroup);
+  const int64_t unit = Unit(blocks, p.M, full_first);
+  const int64_t group = unit * ((kGroup + unit - 1) / unit);
+  for (int64_t g = j0; g < j1; g += group) {
+    const int64_t g1 = std::min(j1, g + group);
     const int64_t row_blocks = (p.M + blocks.max_rows - 1) / blocks.max_rows;
     for (int64_t b = 0, m = 0; b < row_blocks; ++b) {
       const int64_t rows = full_first ? std::min<int64_t>(blocks.max_rows, p.M - m)
@@ -294,21 +314,25 @@ bool HaveWidth(int64_t width) {
   return width == 8;
 }
 
+// The block table of variant v for weights of type T, passed to f (whose result it returns).
 template <typename T>
-void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
+struct Tables {
+  template <typename F>
+  static auto With(Variant v, F&& f) {
 #ifdef __AVX512F__
-  if (v.width == 16) {
-    static const Blocks<f32x16, T>* const kWide[] = {
-        &kBlocks16<T, false, false>, &kBlocks16<T, true, false>, &kBlocks16<T, false, true>,
-        &kBlocks16<T, true, true>};
-    return Panels(*kWide[v.Index()], p, j0, j1, v.full_first);
-  }
+    if (v.width == 16) {
+      static const Blocks<f32x16, T>* const kWide[] = {
+          &kBlocks16<T, false, false>, &kBlocks16<T, true, false>, &kBlocks16<T, false, true>,
+          &kBlocks16<T, true, true>};
+      return f(*kWide[v.Index()]);
+    }
 #endif
-  static const Blocks<f32x8, T>* const kNarrow[] = {
-      &kBlocks8<T, false, false>, &kBlocks8<T, true, false>, &kBlocks8<T, false, true>,
-      &kBlocks8<T, true, true>};
-  return Panels(*kNarrow[v.Index()], p, j0, j1, v.full_first);
-}
+    static const Blocks<f32x8, T>* const kNarrow[] = {
+        &kBlocks8<T, false, false>, &kBlocks8<T, true, false>, &kBlocks8<T, false, true>,
+        &kBlocks8<T, true, true>};
+    return f(*kNarrow[v.Index()]);
+  }
+};
 
 #ifdef __AVX512BF16__
 // bfloat16 dot products (AVX512-BF16): x and W both in bfloat16, each step adds
@@ -382,11 +406,11 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
 
 template <bool PF, bool PIN>
 const Blocks<__m512, Pair> kDotBlocks16 = {
-    12,
-    {0, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2},
+    12,  // as kBlocks16
+    {0, 4, 4, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2},
     {nullptr, DotBlock16<1, 4, PF, PIN>, DotBlock16<2, 4, PF, PIN>, DotBlock16<3, 4, PF, PIN>,
      DotBlock16<4, 4, PF, PIN>, DotBlock16<5, 4, PF, PIN>, DotBlock16<6, 4, PF, PIN>,
-     DotBlock16<7, 2, PF, PIN>, DotBlock16<8, 2, PF, PIN>, DotBlock16<9, 2, PF, PIN>,
+     DotBlock16<7, 4, PF, PIN>, DotBlock16<8, 3, PF, PIN>, DotBlock16<9, 3, PF, PIN>,
      DotBlock16<10, 2, PF, PIN>, DotBlock16<11, 2, PF, PIN>, DotBlock16<12, 2, PF, PIN>},
     {nullptr, DotBlock16<1, 1, PF, PIN>, DotBlock16<2, 1, PF, PIN>, DotBlock16<3, 1, PF, PIN>,
      DotBlock16<4, 1, PF, PIN>, DotBlock16<5, 1, PF, PIN>, DotBlock16<6, 1, PF, PIN>,
@@ -402,23 +426,38 @@ const Blocks<__m256, Pair> kDotBlocks8 = {
      DotBlock8<4, 1, PF, PIN>, DotBlock8<5, 1, PF, PIN>, DotBlock8<6, 1, PF, PIN>}};
 
 template <>
-void Range<Pair>(const Problem<Pair>& p, Variant v, int64_t j0, int64_t j1) {
-  if (v.width == 16) {
-    static const Blocks<__m512, Pair>* const kWide[] = {
-        &kDotBlocks16<false, false>, &kDotBlocks16<true, false>, &kDotBlocks16<false, true>,
-        &kDotBlocks16<true, true>};
-    return Panels(*kWide[v.Index()], p, j0, j1, v.full_first);
+struct Tables<Pair> {
+  template <typename F>
+  static auto With(Variant v, F&& f) {
+    if (v.width == 16) {
+      static const Blocks<__m512, Pair>* const kWide[] = {
+          &kDotBlocks16<false, false>, &kDotBlocks16<true, false>, &kDotBlocks16<false, true>,
+          &kDotBlocks16<true, true>};
+      return f(*kWide[v.Index()]);
+    }
+    static const Blocks<__m256, Pair>* const kNarrow[] = {
+        &kDotBlocks8<false, false>, &kDotBlocks8<true, false>, &kDotBlocks8<false, true>,
+        &kDotBlocks8<true, true>};
+    return f(*kNarrow[v.Index()]);
   }
-  static const Blocks<__m256, Pair>* const kNarrow[] = {
-      &kDotBlocks8<false, false>, &kDotBlocks8<true, false>, &kDotBlocks8<false, true>,
-      &kDotBlocks8<true, true>};
-  return Panels(*kNarrow[v.Index()], p, j0, j1, v.full_first);
-}
+};
 
 constexpr bool kHaveDot = true;
 #else
 constexpr bool kHaveDot = false;
 #endif
+
+// Panels [j0, j1) of p by variant v.
+template <typename T>
+void Range(const Problem<T>& p, Variant v, int64_t j0, int64_t j1) {
+  Tables<T>::With(v, [&](const auto& blocks) { Panels(blocks, p, j0, j1, v.full_first); });
+}
+
+// The panels variant v's first row block of p takes at once (`Unit`).
+template <typename T>
+int64_t RangeUnit(const Problem<T>& p, Variant v) {
+  return Tables<T>::With(v, [&](const auto& blocks) { return Unit(blocks, p.M, v.full_first); });
+}
 
 // float32 -> bfloat16, round to nearest even (NaN stays NaN).
 inline uint16_t RoundToBf16(float f) {
@@ -491,7 +530,9 @@ void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t
   shared->problem = problem;
   shared->variant = variant;
   shared->num_panels = num_panels;
-  shared->chunk = kGroup * std::max<int64_t>(1, num_panels / (8 * kGroup * (helpers + 1)));
+  // About 8 shares per thread, each a multiple of the blocks' panels (`Unit`).
+  const int64_t unit = RangeUnit(problem, variant);
+  shared->chunk = unit * std::max<int64_t>(1, num_panels / (8 * unit * (helpers + 1)));
   shared->start_ns = NowNs();
   for (int64_t i = 0; i < helpers; ++i) {
     pool->Schedule([shared] {
