@@ -665,3 +665,97 @@ def test_thread_stats_count_the_split_calls(monkeypatch):
   assert 0 <= stats["helper_share"] <= 1 and 0 <= stats["helper_idle"] <= 1
   assert stats["call_us"] > 0 and stats["wait_us"] >= 0 and stats["helper_start_us"] >= 0
   assert cpu_matmul.thread_stats()["split_calls"] == 0
+
+
+def _attention_operands(B=3, T=5, N=4, H=24, L=37, seed=0):
+  """Random queries and caches; rows filled to ragged lengths, causal new tokens, and one
+  query that sees no slot at all."""
+  rng = np.random.default_rng(seed)
+  q = (rng.standard_normal((B, T, N, H)) * 0.3).astype(np.float32)
+  k = rng.standard_normal((B, N, H, L)).astype(np.float32)
+  v = rng.standard_normal((B, N, L, H)).astype(np.float32)
+  bias = rng.standard_normal((B, N, T, L)).astype(np.float32)
+  offsets = rng.integers(0, L - T, B)
+  offsets[0] = 0
+  mask = np.arange(L)[None, None, :] <= offsets[:, None, None] + np.arange(T)[None, :, None]
+  mask[B - 1, 1] = False
+  return q, k, v, bias, mask
+
+
+def _attention_f64(q, k, v, bias, mask):
+  logits = np.einsum("btnh,bnhl->bntl", q.astype(np.float64), k.astype(np.float64))
+  if bias is not None:
+    logits = logits + bias
+  logits = np.where(mask[:, None], logits, -1e10)
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  return np.einsum("bntl,bnlh->btnh", w, v.astype(np.float64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias_rows", [None, 1, 3])
+@pytest.mark.parametrize("H", [24, 64])
+def test_attention_kernel_against_float64(bias_rows, H):
+  """The kernel's masked softmax attention (no bias, a bias shared by the batch or one per
+  row; H a multiple of the vector width or not) within float32 rounding of float64's; a
+  query that sees no slot averages all L, as the masked softmax does."""
+  q, k, v, bias, mask = _attention_operands(H=H)
+  bias = None if bias_rows is None else bias[:bias_rows]
+  got = np.asarray(jax.jit(cpu_matmul.attention)(q, k, v, bias, mask))
+  want = _attention_f64(q, k, v, bias, mask)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[-1, 1], v[-1].mean(axis=1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got, np.asarray(t5._attend(q, k, v, bias, mask)), rtol=1e-5,
+                             atol=1e-5)
+
+
+@needs_kernel
+def test_attention_kernel_rows_do_not_depend_on_the_call():
+  """Each query is the same bits alone as in the call, and in a cache of more slots whose
+  extra slots it does not see (a verify call's rows equal single-token steps')."""
+  q, k, v, bias, mask = _attention_operands(H=64, L=40)
+  full = np.asarray(jax.jit(cpu_matmul.attention)(q, k, v, bias, mask))
+  for t in range(q.shape[1]):
+    one = jax.jit(cpu_matmul.attention)(q[:, t:t + 1], k, v, bias[:, :, t:t + 1],
+                                        mask[:, t:t + 1])
+    np.testing.assert_array_equal(np.asarray(one)[:, 0], full[:, t])
+  more = 29  # extra slots, none visible: the sums are over the same terms, in the same order
+  pad = lambda x, axis: np.concatenate(
+      [x, np.random.default_rng(1).standard_normal(
+          x.shape[:axis] + (more,) + x.shape[axis + 1:]).astype(x.dtype)], axis=axis)
+  wide_mask = np.concatenate([mask, np.zeros(mask.shape[:2] + (more,), bool)], axis=2)
+  wide = np.asarray(jax.jit(cpu_matmul.attention)(q, pad(k, 3), pad(v, 2), pad(bias, 3),
+                                                  wide_mask))
+  seen = mask.any(axis=2)  # the query that sees nothing averages over all slots instead
+  np.testing.assert_array_equal(wide[seen], full[seen])
+  with pytest.raises(ValueError, match="want K"):
+    cpu_matmul.attention(q, v, v, bias, mask)
+
+
+@needs_kernel
+def test_t5_attends_in_the_kernel_where_packed(pack_small):
+  """With packed weights the decoder's attention runs in the kernel (t5.ATTENTION_KERNEL,
+  None: where packed); its logits match XLA's dots' up to rounding."""
+  model, params = _mini()
+  stored = model.decode_params(params)
+  enc = jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (3, 4), 2, 100)
+
+  def step(p):
+    cache = model.init_cache(p, model.encode(p, enc), 12)
+    cache = cache.rewind(jnp.asarray([0, 3, 7], jnp.int32))
+    return model.decode(p, cache, dec).logits
+
+  logits = {}
+  for setting in (None, False):
+    jax.clear_caches()  # the switch is read when the step is traced
+    with t5.switched(ATTENTION_KERNEL=setting):
+      hlo = jax.jit(step).lower(stored).as_text()
+      assert ("spec_decode_decode_attention" in hlo) == (setting is None)
+      logits[setting] = np.asarray(jax.jit(step)(stored))
+      assert "spec_decode_decode_attention" not in jax.jit(step).lower(params).as_text()
+  jax.clear_caches()
+  np.testing.assert_allclose(logits[None], logits[False], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="ATTENTION_KERNEL"):
+    with t5.switched(ATTENTION_KERNEL="yes"):
+      step(stored)

@@ -1,4 +1,5 @@
-// Small-M matrix products for XLA:CPU decoding, as an XLA FFI custom call.
+// Small-M matrix products for XLA:CPU decoding, as an XLA FFI custom call (and a decode
+// step's attention over its cache, `Attend`).
 //
 // y[M, N] = x[M, K] @ W[K, N], where W is stored as column panels of 16:
 // panels[j, k, 0:16] = W[k, 16 j : 16 j + 16] (zero-padded past N), in float32,
@@ -46,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -500,24 +502,60 @@ struct SplitStats {
 };
 SplitStats g_split;
 
-template <typename T>
-struct Shared {
-  Problem<T> problem;
-  Variant variant;
-  int64_t num_panels, chunk, start_ns = 0;
+// Items [0, count) in chunks of `chunk`, taken from an atomic counter by the calling thread
+// and by `helpers` tasks on XLA's pool: a helper that starts late finds no work and returns,
+// so the call never waits on a task that has not started. `work` is called only while the
+// caller is inside `Parallel` (a late helper touches the counter only).
+struct Split {
+  int64_t count, chunk, start_ns = 0;
+  std::function<void(int64_t, int64_t)> work;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
-  int64_t Work() {  // -> panels multiplied by this thread
+  int64_t Work() {  // -> items done by this thread
     int64_t done = 0;
     for (;;) {
-      const int64_t j0 = next.fetch_add(chunk);
-      if (j0 >= num_panels) return done;
-      const int64_t j1 = std::min(num_panels, j0 + chunk);
-      Range(problem, variant, j0, j1);
-      done += j1 - j0;
+      const int64_t i0 = next.fetch_add(chunk);
+      if (i0 >= count) return done;
+      const int64_t i1 = std::min(count, i0 + chunk);
+      work(i0, i1);
+      done += i1 - i0;
     }
   }
 };
+
+// work(i0, i1) over [0, count) split as `Split` says; stats (may be null) counts the split.
+void Parallel(int64_t count, int64_t chunk, int64_t helpers, ffi::ThreadPool& pool,
+              std::function<void(int64_t, int64_t)> work, SplitStats* stats) {
+  auto shared = std::make_shared<Split>();
+  shared->count = count;
+  shared->chunk = std::max<int64_t>(1, chunk);
+  shared->work = std::move(work);
+  shared->start_ns = NowNs();
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([shared, stats] {
+      const int64_t start = NowNs();
+      shared->active.fetch_add(1);
+      const int64_t done = shared->Work();
+      shared->active.fetch_sub(1);
+      if (stats == nullptr) return;
+      stats->helpers += 1;
+      stats->helper_panels += done;
+      if (done > 0) {  // a helper that found the work gone started after the call ended
+        stats->working += 1;
+        stats->working_start_ns += start - shared->start_ns;
+      }
+    });
+  }
+  shared->Work();
+  const int64_t own_done = NowNs();
+  while (shared->active.load() != 0) std::this_thread::yield();
+  if (stats == nullptr) return;
+  const int64_t end = NowNs();
+  stats->calls += 1;
+  stats->panels += count;
+  stats->wait_ns += end - own_done;
+  stats->call_ns += end - shared->start_ns;
+}
 
 template <typename T>
 void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t helpers,
@@ -526,36 +564,11 @@ void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t
     Range(problem, variant, 0, num_panels);
     return;
   }
-  auto shared = std::make_shared<Shared<T>>();
-  shared->problem = problem;
-  shared->variant = variant;
-  shared->num_panels = num_panels;
   // About 8 shares per thread, each a multiple of the blocks' panels (`Unit`).
   const int64_t unit = RangeUnit(problem, variant);
-  shared->chunk = unit * std::max<int64_t>(1, num_panels / (8 * unit * (helpers + 1)));
-  shared->start_ns = NowNs();
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool->Schedule([shared] {
-      const int64_t start = NowNs();
-      shared->active.fetch_add(1);
-      const int64_t done = shared->Work();
-      shared->active.fetch_sub(1);
-      g_split.helpers += 1;
-      g_split.helper_panels += done;
-      if (done > 0) {  // a helper that found the work gone started after the call ended
-        g_split.working += 1;
-        g_split.working_start_ns += start - shared->start_ns;
-      }
-    });
-  }
-  shared->Work();
-  const int64_t own_done = NowNs();
-  while (shared->active.load() != 0) std::this_thread::yield();
-  const int64_t end = NowNs();
-  g_split.calls += 1;
-  g_split.panels += num_panels;
-  g_split.wait_ns += end - own_done;
-  g_split.call_ns += end - shared->start_ns;
+  Parallel(num_panels, unit * std::max<int64_t>(1, num_panels / (8 * unit * (helpers + 1))),
+           helpers, *pool, [&](int64_t j0, int64_t j1) { Range(problem, variant, j0, j1); },
+           &g_split);
 }
 
 // The bfloat16 dot-product products (x rounded to bfloat16 pairs, K even) of `panels`
@@ -587,6 +600,165 @@ std::vector<float> NormRows(const float* x, const float* scale, float eps, int64
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = row[k] * r * scale[k];
   }
   return out;
+}
+
+// ---- Decode-step attention ----
+//
+// out[b, t, n, :] = softmax_l(where(mask[b, t, l], q[b, t, n, :] . K[b, n, :, l] +
+// bias[b, n, t, l], -1e10)) @ V[b, n, l, :] over a cache's K [B, N, H, L] and V [B, N, L, H]
+// (T5: no 1 / sqrt(H)). Only the slots up to a query's last visible one are read (a cache of
+// 160 slots holding 30 tokens costs 30), the loop XLA's batched dots run over every slot.
+// A query with no visible slot attends to all L uniformly, as the masked softmax does.
+// Every query is computed alone, its sums in an order fixed by its own mask row (masked
+// slots below its last visible one add exact zeros): a verify call's rows are the same bits
+// as single-token steps'.
+
+// e^x for x <= 0 in lanes (Cephes' polynomial after x = n ln 2 + r, about 1 ulp); exactly 0
+// below -87 (so a masked logit's weight is 0, as exp(-1e10) is).
+template <typename V>
+inline V ExpNonPositive(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  const auto tiny = x < (V{} - 87.0f);
+  x = tiny ? V{} - 87.0f : x;
+  V fx = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(fx, I);  // truncates toward zero; floor below
+  n = n - (__builtin_convertvector(n, V) > fx ? 1 : 0);
+  const V nf = __builtin_convertvector(n, V);
+  x = x - nf * 0.693359375f;
+  x = x - nf * -2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.0f;
+  const I bits = (n + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(V));
+  y = y * scale;
+  return tiny ? V{} : y;
+}
+
+#ifdef __AVX512F__
+typedef f32x16 AttV;
+#else
+typedef f32x8 AttV;
+#endif
+constexpr int64_t kAttLanes = Lanes<AttV>();
+
+struct Attention {
+  const float* q;      // [B, T, N, H]
+  const float* k;      // [B, N, H, L]
+  const float* v;      // [B, N, L, H]
+  const float* bias;   // [Bb, N, T, L] (Bb 1 or B), or null
+  const bool* mask;    // [B, T, L]
+  const int64_t* extent;  // [B, T]: slots read by each query
+  float* out;          // [B, T, N, H]
+  int64_t B, T, N, H, L, bias_batch;
+};
+
+// One query's attention (batch row b, head n, token t); s: scratch of L rounded up to lanes.
+void AttendOne(const Attention& a, int64_t b, int64_t n, int64_t t, float* s) {
+  const int64_t H = a.H, L = a.L, E = a.extent[b * a.T + t];
+  const int64_t chunks = (E + kAttLanes - 1) / kAttLanes;
+  const float* q = a.q + ((b * a.T + t) * a.N + n) * H;
+  const float* k = a.k + (b * a.N + n) * H * L;
+  const bool* m = a.mask + (b * a.T + t) * L;
+  const float* bias = a.bias == nullptr ? nullptr
+                      : a.bias + (((a.bias_batch == 1 ? 0 : b) * a.N + n) * a.T + t) * L;
+  // logits: over h in order, lanes over slots (a slot's sum does not depend on E)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t l0 = c * kAttLanes, width = std::min(kAttLanes, E - l0);
+    AttV acc{};
+    for (int64_t h = 0; h < H; ++h) {
+      AttV kv{};
+      std::memcpy(&kv, k + h * L + l0, width * sizeof(float));
+      acc += q[h] * kv;
+    }
+    std::memcpy(s + l0, &acc, kAttLanes * sizeof(float));
+  }
+  float top = -1e10f;
+  for (int64_t l = 0; l < E; ++l) {
+    s[l] = m[l] ? s[l] + (bias == nullptr ? 0.0f : bias[l]) : -1e10f;
+    top = std::max(top, s[l]);
+  }
+  // lanes past E weigh exactly 0, even where every slot is masked (top = -1e10)
+  for (int64_t l = E; l < chunks * kAttLanes; ++l) s[l] = -1e30f;
+  AttV sum{};
+  for (int64_t c = 0; c < chunks; ++c) {
+    AttV x;
+    std::memcpy(&x, s + c * kAttLanes, sizeof(x));
+    x = ExpNonPositive(x - top);
+    std::memcpy(s + c * kAttLanes, &x, sizeof(x));
+    sum += x;
+  }
+  float total = 0.0f;
+  for (int i = 0; i < kAttLanes; ++i) total += sum[i];
+  // weights x values: over slots in order, skipping the zero weights (adding 0 x v changes
+  // no bit of a finite sum)
+  float* o = a.out + ((b * a.T + t) * a.N + n) * H;
+  const float* v = a.v + (b * a.N + n) * L * H;
+  std::fill(o, o + H, 0.0f);
+  const int64_t full = H / kAttLanes * kAttLanes;
+  for (int64_t l = 0; l < E; ++l) {
+    if (s[l] == 0.0f) continue;
+    const float w = s[l] / total;
+    const float* row = v + l * H;
+    for (int64_t h = 0; h < full; h += kAttLanes) {
+      AttV ov, rv;
+      std::memcpy(&ov, o + h, sizeof(ov));
+      std::memcpy(&rv, row + h, sizeof(rv));
+      ov += w * rv;
+      std::memcpy(o + h, &ov, sizeof(ov));
+    }
+    for (int64_t h = full; h < H; ++h) o[h] += w * row[h];
+  }
+}
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias,
+                  ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                  int64_t threads, int64_t has_bias) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
+             md = mask.dimensions(), bd = bias.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3 || bd.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "decode_attention: want q [B, T, N, H], k [B, N, H, L], v [B, N, L, H], bias "
+        "[Bb, N, T, L], mask [B, T, L]");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], L = kd[3];
+  if (kd[0] != B || kd[1] != N || kd[2] != H || vd[0] != B || vd[1] != N || vd[2] != L ||
+      vd[3] != H || md[0] != B || md[1] != T || md[2] != L ||
+      (has_bias && ((bd[0] != 1 && bd[0] != B) || bd[1] != N || bd[2] != T || bd[3] != L)))
+    return ffi::Error::InvalidArgument("decode_attention: shapes of q, k, v, bias and mask disagree");
+  const bool* m = mask.typed_data();
+  std::vector<int64_t> extent(B * T);
+  int64_t work = 0;
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    int64_t e = L;
+    while (e > 0 && !m[bt * L + e - 1]) --e;
+    extent[bt] = e > 0 ? e : L;  // nothing visible: all slots, uniformly
+    work += extent[bt];
+  }
+  const Attention a{q.typed_data(), k.typed_data(), v.typed_data(),
+                    has_bias ? bias.typed_data() : nullptr, m, extent.data(),
+                    out->typed_data(), B, T, N, H, L, has_bias ? bd[0] : 0};
+  const int64_t scratch = (L + kAttLanes - 1) / kAttLanes * kAttLanes;
+  auto heads = [&a, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
+    std::vector<float> s(scratch);
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t t = 0; t < a.T; ++t) AttendOne(a, i / a.N, i % a.N, t, s.data());
+  };
+  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
+  // A second thread pays only for enough multiply-adds (2 per slot and feature).
+  if (work * N * H < (1 << 18) || B * N < 2) helpers = 0;
+  if (helpers <= 0) {
+    heads(0, B * N);
+  } else {
+    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, heads,
+             nullptr);
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::AnyBuffer panels,
@@ -756,6 +928,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmulNormedScaled, NormedScaled,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("variant")
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeAttention, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [B, N, H, L]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [B, N, L, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [Bb, N, T, L]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [B, T, L]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // [B, T, N, H]
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("has_bias"));
 
 extern "C" {
 

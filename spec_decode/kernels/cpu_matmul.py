@@ -33,6 +33,12 @@ shape and row count on a machine times them and keeps the fastest (`chosen_varia
 cached per CPU in the kernel cache); SPEC_DECODE_CPU_KERNEL_VARIANT fixes one for
 reproducible benchmarks.
 
+The same library attends (`attention`): a decode step's queries against a cache's K and V,
+each query reading its visible slots only, where XLA's batched dots read every slot of the
+cache (a 160-slot cache holding 30 tokens costs 30), and each computed alone (a verify
+call's rows equal single-token steps' here too). T5 decoders whose weights are packed
+attend with it (`t5.ATTENTION_KERNEL`).
+
 The kernel is compiled on first use with the system C++ compiler for the host CPU
 (-march=native) against jaxlib's FFI headers, cached under $SPEC_DECODE_KERNEL_CACHE
 (default ~/.cache/spec_decode/kernels) by source, flags, compiler, jax version and
@@ -75,6 +81,8 @@ _TARGETS = {
     (True, True): ("spec_decode_small_m_matmul_normed_scaled",
                    "SpecDecodeSmallMMatmulNormedScaled"),
 }
+# Decode-step attention over a cache (`attention`).
+_ATTENTION_TARGET = ("spec_decode_decode_attention", "SpecDecodeAttention")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
 # `T5.decode_params`). Measured per product on a 2-core AMD EPYC (1..11 rows, a jitted
@@ -228,6 +236,39 @@ def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6, rows=None) 
   return y.reshape(*lead, N)
 
 
+def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
+  """Attention of T new tokens' queries over a decode cache, float32, on the CPU:
+  softmax(where(mask, q . K + bias, -1e10)) @ V per head, without 1 / sqrt(H) (T5's), in the
+  cache's layouts: q [B, T, N, H], K [B, N, H, L], V [B, N, L, H], bias [B or 1, N, T, L]
+  or None, mask [B, T, L] (broadcastable) -> [B, T, N, H].
+
+  Each query reads the slots up to its last visible one only (XLA's batched dots read all L:
+  a 160-slot cache holding 30 tokens costs 30 here), and is computed alone, so a verify
+  call's rows are the same bits as single-token steps'. A query that sees no slot attends to
+  all L uniformly, as the masked softmax does. The same function as the softmax over XLA's
+  dots up to float rounding (its exp is a polynomial of about 1 ulp)."""
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
+  B, T, N, H = q_BTNH.shape
+  L = k_BNHL.shape[-1]
+  if k_BNHL.shape != (B, N, H, L) or v_BNLH.shape != (B, N, L, H):
+    raise ValueError(f"attention: want K [B, N, H, L] and V [B, N, L, H] for q {q_BTNH.shape}, "
+                     f"got {k_BNHL.shape} and {v_BNLH.shape}")
+  f32 = lambda x: x.astype(jnp.float32)
+  mask = jnp.broadcast_to(mask_BTL, (B, T, L)).astype(bool)
+  has_bias = bias_BNTL is not None
+  bias = (f32(bias_BNTL) if has_bias else jnp.zeros((1, 1, 1, 1), jnp.float32))
+  if has_bias and bias.shape[0] not in (1, B):
+    bias = jnp.broadcast_to(bias, (B, N, T, L))
+  if has_bias:
+    bias = jnp.broadcast_to(bias, (bias.shape[0], N, T, L))
+  out = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+  return jax.ffi.ffi_call(_ATTENTION_TARGET[0], out, vmap_method="sequential")(
+      f32(q_BTNH), f32(k_BNHL), f32(v_BNLH), bias, mask, threads=np.int64(_threads()),
+      has_bias=np.int64(has_bias))
+
+
 def _cpu_flags() -> str:
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -288,7 +329,7 @@ def _register() -> str | None:
   try:
     path = _build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in _TARGETS.values():
+    for target, symbol in (*_TARGETS.values(), _ATTENTION_TARGET):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
     lib.spec_decode_widths.restype = ctypes.c_int64

@@ -277,6 +277,32 @@ def _attend_rowwise(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   return jnp.swapaxes(out.astype(v_BNLH.dtype), 1, 2)
 
 
+def _attend_kernel(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
+  """`_attend` by the CPU kernel (`cpu_matmul.attention`), which reads each query's visible
+  cache slots only; in the cache's dtype."""
+  return cpu_matmul.attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL).astype(v_BNLH.dtype)
+
+
+# Whether decoder attention over the caches runs in the CPU kernel (`cpu_matmul.attention`)
+# instead of XLA's batched dots. XLA's dots read every slot of the cache, filled or not, at a
+# fraction of the memory's bandwidth: the big EnDe target's verify call of 5 tokens at batch 8
+# with 160 slots spent 2.9 ms of about 10 in them (profiled, AMD EPYC family 26 model 2). None:
+# where the decoder's weights are packed for the CPU kernel (`decode_params`); read when a
+# function is traced.
+ATTENTION_KERNEL: bool | None = None
+
+
+def _attention_kernel(layer_params) -> bool:
+  """Whether a decoder layer with params `layer_params` attends in the CPU kernel."""
+  if ATTENTION_KERNEL is not None and not isinstance(ATTENTION_KERNEL, bool):
+    raise ValueError(f"t5.ATTENTION_KERNEL must be None, True or False, got {ATTENTION_KERNEL!r}")
+  if ATTENTION_KERNEL is False:
+    return False
+  packed = any(isinstance(leaf, cpu_matmul.PackedKernel) for leaf in jax.tree_util.tree_leaves(
+      layer_params, is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel)))
+  return packed if ATTENTION_KERNEL is None else cpu_matmul.available()
+
+
 def _pack_rows(x_BS_, index_P):
   """x [B, S, ...] at the flat positions index [P] -> [P, ...] (index B * S: zeros)."""
   B, S = x_BS_.shape[:2]
@@ -354,7 +380,7 @@ def _reuse_rowwise_self_attention() -> bool:
 
 
 _SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION",
-             "REUSE_ROWWISE_SELF_ATTENTION")
+             "REUSE_ROWWISE_SELF_ATTENTION", "ATTENTION_KERNEL")
 
 
 @contextlib.contextmanager
@@ -733,13 +759,16 @@ class T5(base.ParamSpecs):
     one_row = x_BTD.shape[0] == 1 and x_BTD.shape[1] == 1
     if rowwise is None:
       rowwise = _rowwise_self_attention()
-    attend = _attend_rowwise if one_row and rowwise else _attend
+    kernel = _attention_kernel(p)
+    attend = (_attend_kernel if kernel else
+              _attend_rowwise if one_row and rowwise else _attend)
     x = x_BTD + self._merge_heads(attend(q, k_all, v_all, self_bias, self_mask),
                                   a["out"]["kernel"])
     h = _Normed(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["encoder_decoder_attention"]
     q = self._project_heads(h, a["query"]["kernel"])
-    x = x + self._merge_heads(_attend(q, cross_k_BNHS, cross_v_BNSH, None, cross_mask_BTS),
+    cross = _attend_kernel if kernel else _attend
+    x = x + self._merge_heads(cross(q, cross_k_BNHS, cross_v_BNSH, None, cross_mask_BTS),
                               a["out"]["kernel"])
     h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
     return x + self._mlp(p["mlp"], h), k_all, v_all
