@@ -658,63 +658,92 @@ struct Attention {
   int64_t B, T, N, H, L, bias_batch;
 };
 
-// One query's attention (batch row b, head n, token t); s: scratch of L rounded up to lanes.
-void AttendOne(const Attention& a, int64_t b, int64_t n, int64_t t, float* s) {
-  const int64_t H = a.H, L = a.L, E = a.extent[b * a.T + t];
+constexpr int64_t kAttTile = 8;  // queries of one head that share each K and V load
+
+// The queries t0 .. t0 + count - 1 (count <= kAttTile) of batch row b and head n; s: scratch
+// of kAttTile x `stride` floats (L rounded up to lanes). Each K and V vector is loaded once
+// for the tile, and every query's sums run over the same terms in the same order as alone.
+// The tile's size is a template argument, so that its accumulators stay in registers.
+template <int64_t count>
+void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride) {
+  const int64_t H = a.H, L = a.L;
+  const int64_t* extent = a.extent + b * a.T + t0;
+  const int64_t E = *std::max_element(extent, extent + count);
   const int64_t chunks = (E + kAttLanes - 1) / kAttLanes;
-  const float* q = a.q + ((b * a.T + t) * a.N + n) * H;
   const float* k = a.k + (b * a.N + n) * H * L;
-  const bool* m = a.mask + (b * a.T + t) * L;
-  const float* bias = a.bias == nullptr ? nullptr
-                      : a.bias + (((a.bias_batch == 1 ? 0 : b) * a.N + n) * a.T + t) * L;
-  // logits: over h in order, lanes over slots (a slot's sum does not depend on E)
+  const float* v = a.v + (b * a.N + n) * L * H;
+  const float* q[count];
+  for (int64_t i = 0; i < count; ++i) q[i] = a.q + ((b * a.T + t0 + i) * a.N + n) * H;
+  // logits: over h in order, lanes over slots (a slot past a query's extent is overwritten)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t l0 = c * kAttLanes, width = std::min(kAttLanes, E - l0);
-    AttV acc{};
+    const int64_t l0 = c * kAttLanes;
+    AttV acc[count] = {};
     for (int64_t h = 0; h < H; ++h) {
       AttV kv{};
-      std::memcpy(&kv, k + h * L + l0, width * sizeof(float));
-      acc += q[h] * kv;
+      if (l0 + kAttLanes <= L) {
+        kv = Bits<AttV>(k + h * L + l0);
+      } else {  // the cache row's last, partial chunk
+        for (int64_t i = 0; l0 + i < L; ++i) kv[i] = k[h * L + l0 + i];
+      }
+      for (int64_t i = 0; i < count; ++i) acc[i] += q[i][h] * kv;
     }
-    std::memcpy(s + l0, &acc, kAttLanes * sizeof(float));
+    for (int64_t i = 0; i < count; ++i) std::memcpy(s + i * stride + l0, &acc[i], sizeof(AttV));
   }
-  float top = -1e10f;
-  for (int64_t l = 0; l < E; ++l) {
-    s[l] = m[l] ? s[l] + (bias == nullptr ? 0.0f : bias[l]) : -1e10f;
-    top = std::max(top, s[l]);
-  }
-  // lanes past E weigh exactly 0, even where every slot is masked (top = -1e10)
-  for (int64_t l = E; l < chunks * kAttLanes; ++l) s[l] = -1e30f;
-  AttV sum{};
-  for (int64_t c = 0; c < chunks; ++c) {
-    AttV x;
-    std::memcpy(&x, s + c * kAttLanes, sizeof(x));
-    x = ExpNonPositive(x - top);
-    std::memcpy(s + c * kAttLanes, &x, sizeof(x));
-    sum += x;
-  }
-  float total = 0.0f;
-  for (int i = 0; i < kAttLanes; ++i) total += sum[i];
-  // weights x values: over slots in order, skipping the zero weights (adding 0 x v changes
-  // no bit of a finite sum)
-  float* o = a.out + ((b * a.T + t) * a.N + n) * H;
-  const float* v = a.v + (b * a.N + n) * L * H;
-  std::fill(o, o + H, 0.0f);
-  const int64_t full = H / kAttLanes * kAttLanes;
-  for (int64_t l = 0; l < E; ++l) {
-    if (s[l] == 0.0f) continue;
-    const float w = s[l] / total;
-    const float* row = v + l * H;
-    for (int64_t h = 0; h < full; h += kAttLanes) {
-      AttV ov, rv;
-      std::memcpy(&ov, o + h, sizeof(ov));
-      std::memcpy(&rv, row + h, sizeof(rv));
-      ov += w * rv;
-      std::memcpy(o + h, &ov, sizeof(ov));
+  // masked softmax per query; weights past its extent are exactly 0 (even where it sees no
+  // slot at all and every logit is -1e10)
+  for (int64_t i = 0; i < count; ++i) {
+    float* si = s + i * stride;
+    const int64_t Ei = extent[i];
+    const bool* m = a.mask + (b * a.T + t0 + i) * L;
+    const float* bias = a.bias == nullptr ? nullptr
+        : a.bias + (((a.bias_batch == 1 ? 0 : b) * a.N + n) * a.T + t0 + i) * L;
+    float top = -1e10f;
+    for (int64_t l = 0; l < Ei; ++l) {
+      si[l] = m[l] ? si[l] + (bias == nullptr ? 0.0f : bias[l]) : -1e10f;
+      top = std::max(top, si[l]);
     }
-    for (int64_t h = full; h < H; ++h) o[h] += w * row[h];
+    const int64_t ci = (Ei + kAttLanes - 1) / kAttLanes;
+    for (int64_t l = Ei; l < chunks * kAttLanes; ++l) si[l] = -1e30f;
+    AttV sum{};
+    for (int64_t c = 0; c < ci; ++c) {
+      AttV x = ExpNonPositive(Bits<AttV>(si + c * kAttLanes) - top);
+      std::memcpy(si + c * kAttLanes, &x, sizeof(x));
+      sum += x;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < kAttLanes; ++j) total += sum[j];
+    for (int64_t l = 0; l < Ei; ++l) si[l] = si[l] / total;
+  }
+  // weights x values: per feature chunk, over slots in order; a zero weight is skipped (it
+  // would add an exact 0)
+  for (int64_t h0 = 0; h0 < H; h0 += kAttLanes) {
+    const int64_t width = std::min(kAttLanes, H - h0);
+    AttV acc[count] = {};
+    for (int64_t l = 0; l < E; ++l) {
+      AttV rv{};
+      if (width == kAttLanes) {
+        rv = Bits<AttV>(v + l * H + h0);
+      } else {
+        for (int64_t j = 0; j < width; ++j) rv[j] = v[l * H + h0 + j];
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const float w = l < extent[i] ? s[i * stride + l] : 0.0f;
+        if (w != 0.0f) acc[i] += w * rv;
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      float* o = a.out + ((b * a.T + t0 + i) * a.N + n) * H + h0;
+      float tmp[kAttLanes];
+      std::memcpy(tmp, &acc[i], sizeof(tmp));
+      std::memcpy(o, tmp, width * sizeof(float));
+    }
   }
 }
+
+using AttendTileFn = void (*)(const Attention&, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr AttendTileFn kAttendTiles[kAttTile + 1] = {
+    nullptr, AttendTile<1>, AttendTile<2>, AttendTile<3>, AttendTile<4>,
+    AttendTile<5>, AttendTile<6>, AttendTile<7>, AttendTile<8>};
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias,
@@ -745,9 +774,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                     out->typed_data(), B, T, N, H, L, has_bias ? bd[0] : 0};
   const int64_t scratch = (L + kAttLanes - 1) / kAttLanes * kAttLanes;
   auto heads = [&a, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
-    std::vector<float> s(scratch);
+    std::vector<float> s(kAttTile * scratch);
     for (int64_t i = i0; i < i1; ++i)
-      for (int64_t t = 0; t < a.T; ++t) AttendOne(a, i / a.N, i % a.N, t, s.data());
+      for (int64_t t = 0; t < a.T; t += kAttTile)
+        kAttendTiles[std::min(kAttTile, a.T - t)](a, i / a.N, i % a.N, t, s.data(), scratch);
   };
   int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
   // A second thread pays only for enough multiply-adds (2 per slot and feature).
