@@ -694,12 +694,13 @@ def _attention_f64(q, k, v, bias, mask):
 
 @needs_kernel
 @pytest.mark.parametrize("bias_rows", [None, 1, 3])
-@pytest.mark.parametrize("H", [24, 64])
-def test_attention_kernel_against_float64(bias_rows, H):
+@pytest.mark.parametrize("H,T", [(24, 5), (64, 5), (64, 11)])
+def test_attention_kernel_against_float64(bias_rows, H, T):
   """The kernel's masked softmax attention (no bias, a bias shared by the batch or one per
-  row; H a multiple of the vector width or not) within float32 rounding of float64's; a
-  query that sees no slot averages all L, as the masked softmax does."""
-  q, k, v, bias, mask = _attention_operands(H=H)
+  row; H a multiple of the vector width or not; more queries than a tile of 8) within
+  float32 rounding of float64's; a query that sees no slot averages all L, as the masked
+  softmax does."""
+  q, k, v, bias, mask = _attention_operands(H=H, T=T)
   bias = None if bias_rows is None else bias[:bias_rows]
   got = np.asarray(jax.jit(cpu_matmul.attention)(q, k, v, bias, mask))
   want = _attention_f64(q, k, v, bias, mask)
