@@ -733,6 +733,45 @@ def test_attention_kernel_rows_do_not_depend_on_the_call():
     cpu_matmul.attention(q, v, v, bias, mask)
 
 
+_NARROW_BUILD_CHECK = """
+import pathlib, sys
+import numpy as np, jax
+sys.path.insert(0, {tests!r})
+from spec_decode.kernels import cpu_matmul
+cpu_matmul._build = lambda: pathlib.Path({library!r})
+assert cpu_matmul.widths() == (8,), cpu_matmul.widths()
+from test_cpu_matmul import _attention_operands
+q, k, v, bias, mask = _attention_operands(H=64, L=40)
+att = jax.jit(cpu_matmul.attention)
+full = np.asarray(att(q, k, v, bias, mask))
+for t in range(q.shape[1]):
+  one = np.asarray(att(q[:, t:t + 1], k, v, bias[:, :, t:t + 1], mask[:, t:t + 1]))[:, 0]
+  np.testing.assert_array_equal(one, full[:, t], err_msg=f"query {{t}}")
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("isa", ["x86-64 (vector extensions only)", "host without AVX-512"])
+def test_attention_rows_alone_in_a_build_of_8_wide_vectors(isa, tmp_path):
+  """The 8-wide attention (AVX2 hosts, or none) keeps each query's bits whatever tile it
+  shares: built for this host without AVX-512 (its own tuning, which on AMD Zen declines to
+  fuse some multiply-add chains) and for plain x86-64, then loaded in a fresh process."""
+  compiler = shutil.which("g++") or shutil.which("c++")
+  flags = [f for f in cpu_matmul._FLAGS if f != "-march=native"]
+  march = (ISA_FLAGS[isa] if isa in ISA_FLAGS
+           else ["-march=native", "-mno-avx512f"])
+  library = tmp_path / "narrow.so"
+  built = subprocess.run([compiler, *flags, *march, f"-I{jax.ffi.include_dir()}", "-o",
+                          str(library), str(cpu_matmul._SOURCE)],
+                         capture_output=True, text=True, timeout=600)
+  assert built.returncode == 0, built.stderr[-3000:]
+  result = _python(_NARROW_BUILD_CHECK.format(tests=os.path.dirname(__file__),
+                                              library=str(library)))
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
 @needs_kernel
 def test_t5_attends_in_the_kernel_where_packed(pack_small):
   """With packed weights the decoder's attention runs in the kernel (t5.ATTENTION_KERNEL,

@@ -613,6 +613,33 @@ std::vector<float> NormRows(const float* x, const float* scale, float eps, int64
 // slots below its last visible one add exact zeros): a verify call's rows are the same bits
 // as single-token steps'.
 
+// The attention code fixes its own rounding: every multiply-add in it is an explicit fused
+// one (`Fma`), none is left for the compiler to contract. Left to contract `a * b + c`,
+// gcc's tunings for AMD Zen decline to fuse some chains of them, so a query's bits differed
+// between a tile of 1 query and one of 5 (an AVX2 build on a family 26 EPYC, -march=native
+// -mno-avx512f: up to 7e-7), which breaks "a verify call's rows equal single steps'".
+// (A `#pragma GCC optimize("fp-contract=off")` here instead stopped the small helpers
+// defined above it from being inlined, and batch 8's attention took 1.8x as long.)
+
+// a * b + c rounded once where the CPU fuses multiply-adds (AVX-512F or FMA); else (no
+// fused instruction to contract to) rounded twice, the same way everywhere.
+template <typename V>
+inline V Fma(V a, V b, V c) {
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == 64) {
+    const __m512 r = _mm512_fmadd_ps(Bits<__m512>(&a), Bits<__m512>(&b), Bits<__m512>(&c));
+    return Bits<V>(&r);
+  }
+#endif
+#ifdef __FMA__
+  if constexpr (sizeof(V) == 32) {
+    const __m256 r = _mm256_fmadd_ps(Bits<__m256>(&a), Bits<__m256>(&b), Bits<__m256>(&c));
+    return Bits<V>(&r);
+  }
+#endif
+  return a * b + c;
+}
+
 // e^x for x <= 0 in lanes (Cephes' polynomial after x = n ln 2 + r, about 1 ulp); exactly 0
 // below -87 (so a masked logit's weight is 0, as exp(-1e10) is).
 template <typename V>
@@ -620,19 +647,19 @@ inline V ExpNonPositive(V x) {
   typedef int32_t I __attribute__((vector_size(sizeof(V))));
   const auto tiny = x < (V{} - 87.0f);
   x = tiny ? V{} - 87.0f : x;
-  V fx = x * 1.44269504088896341f + 0.5f;
+  const V fx = Fma(x, V{} + 1.44269504088896341f, V{} + 0.5f);
   I n = __builtin_convertvector(fx, I);  // truncates toward zero; floor below
   n = n - (__builtin_convertvector(n, V) > fx ? 1 : 0);
   const V nf = __builtin_convertvector(n, V);
-  x = x - nf * 0.693359375f;
-  x = x - nf * -2.12194440e-4f;
+  x = Fma(nf, V{} - 0.693359375f, x);
+  x = Fma(nf, V{} + 2.12194440e-4f, x);
   V y = V{} + 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * (x * x) + x + 1.0f;
+  y = Fma(y, x, V{} + 1.3981999507e-3f);
+  y = Fma(y, x, V{} + 8.3334519073e-3f);
+  y = Fma(y, x, V{} + 4.1665795894e-2f);
+  y = Fma(y, x, V{} + 1.6666665459e-1f);
+  y = Fma(y, x, V{} + 5.0000001201e-1f);
+  y = Fma(y, x * x, x) + 1.0f;
   const I bits = (n + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof(V));
@@ -685,7 +712,7 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
       } else {  // the cache row's last, partial chunk
         for (int64_t i = 0; l0 + i < L; ++i) kv[i] = k[h * L + l0 + i];
       }
-      for (int64_t i = 0; i < count; ++i) acc[i] += q[i][h] * kv;
+      for (int64_t i = 0; i < count; ++i) acc[i] = Fma(q[i][h] - AttV{}, kv, acc[i]);
     }
     for (int64_t i = 0; i < count; ++i) std::memcpy(s + i * stride + l0, &acc[i], sizeof(AttV));
   }
@@ -728,7 +755,7 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
       }
       for (int64_t i = 0; i < count; ++i) {
         const float w = l < extent[i] ? s[i * stride + l] : 0.0f;
-        if (w != 0.0f) acc[i] += w * rv;
+        if (w != 0.0f) acc[i] = Fma(w - AttV{}, rv, acc[i]);
       }
     }
     for (int64_t i = 0; i < count; ++i) {
