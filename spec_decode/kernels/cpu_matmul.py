@@ -258,11 +258,11 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
   f32 = lambda x: x.astype(jnp.float32)
   mask = jnp.broadcast_to(mask_BTL, (B, T, L)).astype(bool)
   has_bias = bias_BNTL is not None
-  bias = (f32(bias_BNTL) if has_bias else jnp.zeros((1, 1, 1, 1), jnp.float32))
-  if has_bias and bias.shape[0] not in (1, B):
-    bias = jnp.broadcast_to(bias, (B, N, T, L))
-  if has_bias:
-    bias = jnp.broadcast_to(bias, (bias.shape[0], N, T, L))
+  if has_bias:  # one bias per row, or one for the batch
+    rows = B if jnp.ndim(bias_BNTL) == 4 and jnp.shape(bias_BNTL)[0] == B else 1
+    bias = jnp.broadcast_to(f32(bias_BNTL), (rows, N, T, L))
+  else:
+    bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
   out = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
   return jax.ffi.ffi_call(_ATTENTION_TARGET[0], out, vmap_method="sequential")(
       f32(q_BTNH), f32(k_BNHL), f32(v_BNLH), bias, mask, threads=np.int64(_threads()),

@@ -287,8 +287,9 @@ def _attend_kernel(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
 # instead of XLA's batched dots. XLA's dots read every slot of the cache, filled or not, at a
 # fraction of the memory's bandwidth: the big EnDe target's verify call of 5 tokens at batch 8
 # with 160 slots spent 2.9 ms of about 10 in them (profiled, AMD EPYC family 26 model 2). None:
-# where the decoder's weights are packed for the CPU kernel (`decode_params`); read when a
-# function is traced.
+# where the decoder's weights are packed for the CPU kernel (`decode_params`: unsharded CPU
+# runs); True: wherever the kernel is available (for A/B runs); False: XLA's dots. Read when
+# a function is traced.
 ATTENTION_KERNEL: bool | None = None
 
 
