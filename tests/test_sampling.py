@@ -150,3 +150,25 @@ def test_greedy_draw_equals_sampling_from_the_one_hot():
   soft = Sampling(temperature=1.0).probs(logits)
   np.testing.assert_array_equal(draw(keys, soft, greedy=False),
                                 jax.vmap(sample_from)(keys, soft))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_argmax_is_jnp_argmax(dtype):
+  """sampling.argmax (two plain reductions) gives jnp.argmax's index everywhere: ties take the
+  first, a NaN counts as the largest (the first NaN), infinities, all-equal rows, a row of
+  -inf, one entry, vocabulary-sized rows, and leading axes."""
+  from spec_decode.decoding.sampling import argmax
+  rng = np.random.default_rng(0)
+  rows = [rng.normal(size=1536) * 4, np.full(7, 2.0), np.array([1.0, 5.0, 5.0, 3.0]),
+          np.array([3.0]), rng.integers(-3, 3, size=300).astype(float)]
+  if jnp.issubdtype(dtype, jnp.floating):
+    rows += [np.array([1.0, np.nan, 3.0, np.nan]), np.full(5, np.nan), np.full(4, -np.inf),
+             np.array([np.inf, 1.0, np.inf]), np.array([-np.inf, np.nan, np.inf])]
+  for row in rows:
+    x = jnp.asarray(row, dtype)
+    want = int(jnp.argmax(x))
+    assert want == int(np.argmax(np.asarray(x, np.float64))), row
+    got = argmax(x)
+    assert got.dtype == jnp.int32 and int(got) == want, (row, int(got), want)
+  x = jnp.asarray(rng.integers(-4, 4, size=(3, 5, 64)), dtype)  # many ties, leading axes
+  np.testing.assert_array_equal(jax.jit(argmax)(x), jnp.argmax(x, axis=-1))

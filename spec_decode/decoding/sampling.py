@@ -64,7 +64,7 @@ class Sampling:
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
     if self.greedy:
-      return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+      return jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     logits = logits / self.temperature
     if 0 < self.top_k < V:
       kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
@@ -79,6 +79,21 @@ class Sampling:
       probs = jnp.where(keep, probs, 0.0)
       probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return probs
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """The index of the largest entry along the last axis, int32: `jnp.argmax`'s answer (the
+  first index on ties; the first NaN where there is one) in two plain reductions, a max and
+  a min over the indices that hold it. XLA's CPU backend lowers `jnp.argmax`, a reduction of
+  (value, index) pairs, to scalar code: over V = 1536 logits it cost 6.2 us against 1.7 here,
+  over T5's 32128 130 us against 11 (AMD EPYC of family 26), as much as a demo draft's
+  whole step; these two reductions are vectorized."""
+  top = jnp.max(x, axis=-1, keepdims=True)  # NaN where a NaN is present
+  hit = x == top
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    hit = hit | jnp.isnan(x)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
 def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
@@ -121,7 +136,7 @@ def next_token(keys: jax.Array, logits: jax.Array, sampling: "Sampling") -> jax.
   one-hot `probs`, without building it); otherwise a draw from `probs(logits)`.
   """
   if sampling.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   return jax.vmap(sample_from)(keys, sampling.probs(logits))
 
 
@@ -133,5 +148,5 @@ def draw(keys: jax.Array, probs: jax.Array, *, greedy: bool) -> jax.Array:
   argmax: the same token, without generating B x V random numbers.
   """
   if greedy:
-    return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    return argmax(probs)
   return jax.vmap(sample_from)(keys, probs)

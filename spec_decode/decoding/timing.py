@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from spec_decode import compile_options, partitioning
 from spec_decode.decoding import runner
-from spec_decode.decoding.sampling import Sampling
+from spec_decode.decoding.sampling import Sampling, argmax
 from spec_decode.decoding.types import Committed
 from spec_decode.models import base
 
@@ -346,7 +346,7 @@ def _jitted_steps(model, mesh, rules, options=()):
       out = model.decode(params, cache, tokens)
       logits = out.logits
       cache = partitioning.constrain_cache(out.cache, model, mesh, rules).rewind(lengths)
-      return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+      return cache, argmax(logits), logits
 
     logits = jnp.zeros(tokens.shape + (model.vocab_size,), jnp.float32)
     cache, _, logits = jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))

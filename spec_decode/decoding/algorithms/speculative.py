@@ -32,7 +32,7 @@ from spec_decode import theory
 from spec_decode.decoding import registry, runner
 from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.drafters.model import ModelDrafter
-from spec_decode.decoding.sampling import Sampling
+from spec_decode.decoding.sampling import Sampling, argmax
 from spec_decode.decoding.types import Committed, DecodeResult, DecodeStats
 from spec_decode.decoding.verifiers.base import Verifier
 from spec_decode.decoding.verifiers.chain import ChainVerifier, greedy_verdict
@@ -207,7 +207,7 @@ class Speculative(runner.Algorithm):
                                 extra, tree=(m[:, None] + depth, mask))
       target_cache = ctx.constrain_cache(out.cache, "target")
       if sampling.greedy and self.verifier.chain_only and self.verifier.greedy_is_matching:
-        verdict = greedy_verdict(jnp.argmax(out.logits, axis=-1).astype(jnp.int32), proposal)
+        verdict = greedy_verdict(argmax(out.logits), proposal)
       else:
         p = sampling.probs(out.logits)  # [B, K + 1, V]
         verdict = self.verifier.verify(p, proposal, accept_keys, correct_keys,

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.drafters.tree import TreeDrafter, confidence
-from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.sampling import argmax, draw
 from spec_decode.decoding.types import Committed, Proposal
 
 
@@ -113,7 +113,7 @@ class EagleDrafter(Drafter):
       logits = target.logits_from_hidden(tp, feature_BD[:, None].astype(target.config.dtype))
       logits = logits[:, 0]
       if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return argmax(logits), None
       q = sampling.probs(logits)
       return draw(key_B, q, greedy=False), q
 

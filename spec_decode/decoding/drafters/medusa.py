@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.base import Drafter
-from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.sampling import argmax, draw
 from spec_decode.decoding.types import Committed, Proposal, Verdict
 
 
@@ -67,7 +67,7 @@ class MedusaDrafter(Drafter):
                        f"{heads.num_heads}")
     logits = heads.logits(ctx.draft_params, ctx.target, ctx.target_params, hidden)[:, :num]
     if ctx.sampling.greedy:
-      return Proposal.chain(jnp.argmax(logits, axis=-1).astype(jnp.int32)), hidden
+      return Proposal.chain(argmax(logits)), hidden
     q = ctx.sampling.probs(logits)  # [B, num, V]
     x = jax.vmap(lambda k, p: draw(k, p, greedy=False), in_axes=1, out_axes=1)(keys_BK, q)
     return Proposal.chain(x, q), hidden

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.base import Drafter
-from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.sampling import argmax, draw
 from spec_decode.decoding.types import Committed, Proposal
 
 
@@ -86,7 +86,7 @@ class ModelDrafter(Drafter):
 
     def choose(key_B, logits_BV, forced_B=None):
       if greedy:
-        x = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        x = argmax(logits_BV)
         return (x if use_B is None else jnp.where(use_B, forced_B, x)), None
       q = sampling.probs(logits_BV)
       x = draw(key_B, q, greedy=False)

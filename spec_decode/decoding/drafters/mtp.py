@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from spec_decode.decoding import registry
 from spec_decode.decoding.drafters.base import Drafter
-from spec_decode.decoding.sampling import draw
+from spec_decode.decoding.sampling import argmax, draw
 from spec_decode.decoding.types import Committed, Proposal
 
 
@@ -132,7 +132,7 @@ class MtpDrafter(Drafter):
                                              target, tp)
       caches[k - 1] = cache.rewind(new_P)
       if sampling.greedy:
-        x, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        x, q = argmax(logits), None
       else:
         q = sampling.probs(logits)
         x = draw(keys_BK[:, k - 1], q, greedy=False)
