@@ -250,12 +250,18 @@ constexpr Blocks<f32x16, T> kBlocks16 = {
      Block<f32x16, T, 11, 1, PF, PIN>, Block<f32x16, T, 12, 1, PF, PIN>}};
 #endif
 
-// The rows of `Panels`' first row block for M rows.
+// The rows of `Panels`' row block b (of RowBlocks(M)) for M rows, m of them in the blocks
+// before it.
 template <typename V, typename T>
-int64_t FirstBlockRows(const Blocks<V, T>& blocks, int64_t M, bool full_first) {
-  const int64_t row_blocks = (M + blocks.max_rows - 1) / blocks.max_rows;
-  return full_first ? std::min<int64_t>(blocks.max_rows, M)
-                    : M / row_blocks + (M % row_blocks ? 1 : 0);
+int64_t RowBlocks(const Blocks<V, T>& blocks, int64_t M) {
+  return (M + blocks.max_rows - 1) / blocks.max_rows;
+}
+template <typename V, typename T>
+int64_t BlockRows(const Blocks<V, T>& blocks, int64_t M, bool full_first, int64_t b,
+                  int64_t m) {
+  const int64_t row_blocks = RowBlocks(blocks, M);
+  return full_first ? std::min<int64_t>(blocks.max_rows, M - m)
+                    : M / row_blocks + (b < M % row_blocks ? 1 : 0);
 }
 
 // The panels the first row block takes at once: a group's size and a thread's share of the
@@ -263,16 +269,17 @@ int64_t FirstBlockRows(const Blocks<V, T>& blocks, int64_t M, bool full_first) {
 // would leave every group's last panel to a single-panel block).
 template <typename V, typename T>
 int64_t Unit(const Blocks<V, T>& blocks, int64_t M, bool full_first) {
-  return M < 1 ? 1 : blocks.panels[FirstBlockRows(blocks, M, full_first)];
+  return M < 1 ? 1 : blocks.panels[BlockRows(blocks, M, full_first, 0, 0)];
 }
 
 // Panels [j0, j1) for every row block; a group of kGroup or more panels (a multiple of
-// `Unit`) is read from memory once and from cache for the following row blocks. Rows go in blocks of at most max_rows,
-// either as even as possible (8 rows of 6: 4 + 4) or, with `full_first`, full blocks first
-// and the rest last (6 + 2). A small last block does as many weight loads as a full one
-// for fewer products, but it reads them from cache, and the first block, the one that
-// streams them from memory, has the most rows to cover the wait: which is faster depends on
-// the CPU, the weights and the row count (the tuner measures it, a variant option).
+// `Unit`) is read from memory once and from cache for the following row blocks. Rows go
+// in blocks of at most max_rows (`BlockRows`), either as even as possible (8 rows of 6:
+// 4 + 4) or, with `full_first`, full blocks first and the rest last (6 + 2). A small last
+// block does as many weight loads as a full one for fewer products, but it reads them from
+// cache, and the first block, the one that streams them from memory, has the most rows to
+// cover the wait: which is faster depends on the CPU, the weights and the row count (the
+// tuner measures it, a variant option).
 template <typename V, typename T>
 void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t j1,
             bool full_first) {
@@ -280,10 +287,8 @@ void Panels(const Blocks<V, T>& blocks, const Problem<T>& p, int64_t j0, int64_t
   const int64_t group = unit * ((kGroup + unit - 1) / unit);
   for (int64_t g = j0; g < j1; g += group) {
     const int64_t g1 = std::min(j1, g + group);
-    const int64_t row_blocks = (p.M + blocks.max_rows - 1) / blocks.max_rows;
-    for (int64_t b = 0, m = 0; b < row_blocks; ++b) {
-      const int64_t rows = full_first ? std::min<int64_t>(blocks.max_rows, p.M - m)
-                                      : p.M / row_blocks + (b < p.M % row_blocks ? 1 : 0);
+    for (int64_t b = 0, m = 0, row_blocks = RowBlocks(blocks, p.M); b < row_blocks; ++b) {
+      const int64_t rows = BlockRows(blocks, p.M, full_first, b, m);
       for (int64_t j = g; j < g1;) {
         const int64_t take = blocks.panels[rows] <= g1 - j ? blocks.panels[rows] : 1;
         const BlockFn<T> fn = take == 1 ? blocks.single[rows] : blocks.wide[rows];
@@ -801,7 +806,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                     out->typed_data(), B, T, N, H, L, has_bias ? bd[0] : 0};
   const int64_t scratch = (L + kAttLanes - 1) / kAttLanes * kAttLanes;
   auto heads = [&a, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
-    std::vector<float> s(kAttTile * scratch);
+    // Each thread's scores, kept from call to call (one allocation per thread and size,
+    // not one per share of every call).
+    thread_local std::vector<float> s;
+    if (s.size() < static_cast<size_t>(kAttTile * scratch)) s.resize(kAttTile * scratch);
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t t = 0; t < a.T; t += kAttTile)
         kAttendTiles[std::min(kAttTile, a.T - t)](a, i / a.N, i % a.N, t, s.data(), scratch);
