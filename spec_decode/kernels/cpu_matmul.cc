@@ -50,6 +50,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -713,29 +714,49 @@ constexpr int64_t kAttTile = 8;  // queries of one head that share each K and V 
 // The tile's size is a template argument, so that its accumulators stay in registers.
 template <int64_t count>
 void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride) {
+  typedef int32_t AttI __attribute__((vector_size(sizeof(AttV))));
+  typedef uint8_t AttB __attribute__((vector_size(kAttLanes)));
+  // Slot chunks (logits) and feature chunks (values) a pass takes at once: count x G
+  // independent accumulator chains, so that few queries still cover the FMA latency.
+  constexpr int64_t G = count >= 8 ? 1 : count >= 4 ? 2 : 4;
   const int64_t H = a.H, L = a.L;
   const int64_t* extent = a.extent + b * a.T + t0;
   const int64_t E = *std::max_element(extent, extent + count);
+  const int64_t E_all = *std::min_element(extent, extent + count);  // slots every query reads
   const int64_t chunks = (E + kAttLanes - 1) / kAttLanes;
   const float* k = a.k + (b * a.N + n) * H * L;
   const float* v = a.v + (b * a.N + n) * L * H;
   const float* q[count];
   for (int64_t i = 0; i < count; ++i) q[i] = a.q + ((b * a.T + t0 + i) * a.N + n) * H;
-  // logits: over h in order, lanes over slots (a slot past a query's extent is overwritten)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t l0 = c * kAttLanes;
-    AttV acc[count] = {};
+  // logits: over h in order, lanes over slots (a slot past a query's extent is overwritten);
+  // GG chunks of slots from chunk c0
+  auto logits = [&](auto gg, int64_t c0) {
+    constexpr int64_t GG = decltype(gg)::value;
+    const bool inside = (c0 + GG) * kAttLanes <= L;  // else the cache row's partial last chunk
+    AttV acc[count][GG] = {};
     for (int64_t h = 0; h < H; ++h) {
-      AttV kv{};
-      if (l0 + kAttLanes <= L) {
-        kv = Bits<AttV>(k + h * L + l0);
-      } else {  // the cache row's last, partial chunk
-        for (int64_t i = 0; l0 + i < L; ++i) kv[i] = k[h * L + l0 + i];
+      AttV kv[GG];
+      for (int64_t g = 0; g < GG; ++g) {
+        const int64_t l0 = (c0 + g) * kAttLanes;
+        if (inside) {
+          kv[g] = Bits<AttV>(k + h * L + l0);
+        } else {
+          kv[g] = AttV{};
+          for (int64_t j = 0; l0 + j < L && j < kAttLanes; ++j) kv[g][j] = k[h * L + l0 + j];
+        }
       }
-      for (int64_t i = 0; i < count; ++i) acc[i] = Fma(q[i][h] - AttV{}, kv, acc[i]);
+      for (int64_t i = 0; i < count; ++i) {
+        const AttV qv = q[i][h] - AttV{};
+        for (int64_t g = 0; g < GG; ++g) acc[i][g] = Fma(qv, kv[g], acc[i][g]);
+      }
     }
-    for (int64_t i = 0; i < count; ++i) std::memcpy(s + i * stride + l0, &acc[i], sizeof(AttV));
-  }
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < GG; ++g)
+        std::memcpy(s + i * stride + (c0 + g) * kAttLanes, &acc[i][g], sizeof(AttV));
+  };
+  int64_t c0 = 0;
+  for (; c0 + G <= chunks; c0 += G) logits(std::integral_constant<int64_t, G>{}, c0);
+  for (; c0 < chunks; ++c0) logits(std::integral_constant<int64_t, 1>{}, c0);
   // masked softmax per query; weights past its extent are exactly 0 (even where it sees no
   // slot at all and every logit is -1e10)
   for (int64_t i = 0; i < count; ++i) {
@@ -744,8 +765,19 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
     const bool* m = a.mask + (b * a.T + t0 + i) * L;
     const float* bias = a.bias == nullptr ? nullptr
         : a.bias + (((a.bias_batch == 1 ? 0 : b) * a.N + n) * a.T + t0 + i) * L;
+    const int64_t whole = Ei / kAttLanes * kAttLanes;
+    AttV top_v = AttV{} - 1e10f;
+    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
+      AttV x = Bits<AttV>(si + l0);
+      if (bias != nullptr) x = x + Bits<AttV>(bias + l0);
+      const AttI visible = __builtin_convertvector(Bits<AttB>(m + l0), AttI);
+      x = visible != 0 ? x : AttV{} - 1e10f;
+      std::memcpy(si + l0, &x, sizeof(x));
+      top_v = x > top_v ? x : top_v;
+    }
     float top = -1e10f;
-    for (int64_t l = 0; l < Ei; ++l) {
+    for (int j = 0; j < kAttLanes; ++j) top = std::max(top, top_v[j]);
+    for (int64_t l = whole; l < Ei; ++l) {
       si[l] = m[l] ? si[l] + (bias == nullptr ? 0.0f : bias[l]) : -1e10f;
       top = std::max(top, si[l]);
     }
@@ -759,30 +791,44 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
     }
     float total = 0.0f;
     for (int j = 0; j < kAttLanes; ++j) total += sum[j];
-    for (int64_t l = 0; l < Ei; ++l) si[l] = si[l] / total;
+    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
+      const AttV x = Bits<AttV>(si + l0) / (AttV{} + total);
+      std::memcpy(si + l0, &x, sizeof(x));
+    }
+    for (int64_t l = whole; l < Ei; ++l) si[l] = si[l] / total;
   }
-  // weights x values: per feature chunk, over slots in order; a zero weight is skipped (it
-  // would add an exact 0)
-  for (int64_t h0 = 0; h0 < H; h0 += kAttLanes) {
-    const int64_t width = std::min(kAttLanes, H - h0);
-    AttV acc[count] = {};
-    for (int64_t l = 0; l < E; ++l) {
-      AttV rv{};
-      if (width == kAttLanes) {
-        rv = Bits<AttV>(v + l * H + h0);
-      } else {
-        for (int64_t j = 0; j < width; ++j) rv[j] = v[l * H + h0 + j];
+  // weights x values: per feature chunk, over slots in order (each query's own slots only:
+  // a weight that is 0 inside its extent adds an exact 0)
+  for (int64_t h0 = 0; h0 < H; h0 += G * kAttLanes) {
+    int64_t width[G];
+    for (int64_t g = 0; g < G; ++g)
+      width[g] = std::clamp<int64_t>(H - h0 - g * kAttLanes, 0, kAttLanes);
+    AttV acc[count][G] = {};
+    auto slot = [&](int64_t l, bool every) {
+      AttV rv[G];
+      for (int64_t g = 0; g < G; ++g) {
+        rv[g] = AttV{};
+        if (width[g] == kAttLanes) {
+          rv[g] = Bits<AttV>(v + l * H + h0 + g * kAttLanes);
+        } else {
+          for (int64_t j = 0; j < width[g]; ++j) rv[g][j] = v[l * H + h0 + g * kAttLanes + j];
+        }
       }
       for (int64_t i = 0; i < count; ++i) {
-        const float w = l < extent[i] ? s[i * stride + l] : 0.0f;
-        if (w != 0.0f) acc[i] = Fma(w - AttV{}, rv, acc[i]);
+        if (!every && l >= extent[i]) continue;
+        const AttV w = s[i * stride + l] - AttV{};
+        for (int64_t g = 0; g < G; ++g) acc[i][g] = Fma(w, rv[g], acc[i][g]);
       }
-    }
+    };
+    for (int64_t l = 0; l < E_all; ++l) slot(l, true);
+    for (int64_t l = E_all; l < E; ++l) slot(l, false);
     for (int64_t i = 0; i < count; ++i) {
       float* o = a.out + ((b * a.T + t0 + i) * a.N + n) * H + h0;
-      float tmp[kAttLanes];
-      std::memcpy(tmp, &acc[i], sizeof(tmp));
-      std::memcpy(o, tmp, width * sizeof(float));
+      for (int64_t g = 0; g < G && width[g] > 0; ++g) {
+        float tmp[kAttLanes];
+        std::memcpy(tmp, &acc[i][g], sizeof(tmp));
+        std::memcpy(o + g * kAttLanes, tmp, width[g] * sizeof(float));
+      }
     }
   }
 }
