@@ -283,18 +283,20 @@ def _attend_kernel(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL):
   return cpu_matmul.attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL).astype(v_BNLH.dtype)
 
 
-# Whether decoder attention over the caches runs in the CPU kernel (`cpu_matmul.attention`)
-# instead of XLA's batched dots. XLA's dots read every slot of the cache, filled or not, at a
-# fraction of the memory's bandwidth: the big EnDe target's verify call of 5 tokens at batch 8
-# with 160 slots spent 2.9 ms of about 10 in them (profiled, AMD EPYC family 26 model 2). None:
-# where the decoder's weights are packed for the CPU kernel (`decode_params`: unsharded CPU
-# runs); True: wherever the kernel is available (for A/B runs); False: XLA's dots. Read when
-# a function is traced.
+# Whether attention runs in the CPU kernel (`cpu_matmul.attention`) instead of XLA's batched
+# dots: the decoder's over its caches and the encoder's over the input. XLA's dots read every
+# slot of the cache, filled or not, at a fraction of the memory's bandwidth: the big EnDe
+# target's verify call of 5 tokens at batch 8 with 160 slots spent 2.9 ms of about 10 in them
+# (profiled, AMD EPYC family 26 model 2); the kernel reads each query's visible slots only
+# (an input's real tokens: the big CNN/DM target's encoder on ~280-token articles took 42.5
+# ms against 48.5 with XLA's dots there). None: where the layer's weights are packed for the
+# CPU kernel (`decode_params`: unsharded CPU runs); True: wherever the kernel is available
+# (for A/B runs); False: XLA's dots. Read when a function is traced.
 ATTENTION_KERNEL: bool | None = None
 
 
 def _attention_kernel(layer_params) -> bool:
-  """Whether a decoder layer with params `layer_params` attends in the CPU kernel."""
+  """Whether a layer with params `layer_params` attends in the CPU kernel."""
   if ATTENTION_KERNEL is not None and not isinstance(ATTENTION_KERNEL, bool):
     raise ValueError(f"t5.ATTENTION_KERNEL must be None, True or False, got {ATTENTION_KERNEL!r}")
   if ATTENTION_KERNEL is False:
@@ -645,7 +647,8 @@ class T5(base.ParamSpecs):
       h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
       q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
-      x = x + self._merge_heads(pack(_attend(q, *_kv_layout(k, v), bias, attn_mask)),
+      attend = _attend_kernel if _attention_kernel(p) else _attend
+      x = x + self._merge_heads(pack(attend(q, *_kv_layout(k, v), bias, attn_mask)),
                                 a["out"]["kernel"], rows)
       h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h, rows)
