@@ -799,3 +799,31 @@ def test_t5_attends_in_the_kernel_where_packed(pack_small):
   with pytest.raises(ValueError, match="ATTENTION_KERNEL"):
     with t5.switched(ATTENTION_KERNEL="yes"):
       step(stored)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed_rows", [False, True])
+def test_t5_encoder_attends_in_the_kernel_where_packed(pack_small, packed_rows):
+  """The encoder's attention runs in the kernel too where its weights are packed, each row
+  over its real tokens only (rows of 9, 5 and 2 tokens padded to 12, encoded padded or
+  packed): the real tokens' states match XLA's dots' up to rounding, padding stays zeros
+  where packed."""
+  model, params = _mini()
+  stored = model.decode_params(params)
+  lengths = np.array([9, 5, 2])
+  enc = np.array(jax.random.randint(jax.random.PRNGKey(3), (3, 12), 2, 100))
+  enc[np.arange(12)[None, :] >= lengths[:, None]] = 0
+  index = base.packing_index(enc) if packed_rows else None
+  assert (index is not None) == packed_rows
+  states = {}
+  for setting in (None, False):
+    jax.clear_caches()  # the switch is read when the encoder is traced
+    with t5.switched(ATTENTION_KERNEL=setting):
+      hlo = jax.jit(lambda p: model.encode(p, enc, index).hidden).lower(stored).as_text()
+      assert ("spec_decode_decode_attention" in hlo) == (setting is None)
+      states[setting] = np.asarray(model.encode(stored, enc, index).hidden)
+  jax.clear_caches()
+  real = enc > 0
+  np.testing.assert_allclose(states[None][real], states[False][real], rtol=2e-5, atol=2e-5)
+  if packed_rows:
+    np.testing.assert_array_equal(states[None][~real], 0.0)
