@@ -334,7 +334,11 @@ def test_bad_kernel_environment_ends_the_toy_job_before_anything_is_written(tmp_
 def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
   """A KeyboardInterrupt raised inside a callback Python runs for C code (here a finalizer,
   as in JAX's garbage-collection callback) reaches only sys.unraisablehook; the command
-  must still end, so it is raised again in the main thread."""
+  must still end, so it is raised again in the main thread. A suite started in the
+  background of a non-interactive shell inherits SIGINT ignored, where Python installs no
+  KeyboardInterrupt handler and `_thread.interrupt_main` does nothing: the test installs
+  Python's handler for its duration."""
+  import signal
   import time
 
   class Finalized:
@@ -343,6 +347,7 @@ def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
 
   reported = []
   previous = sys.unraisablehook
+  previous_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
   sys.unraisablehook = reported.append
   try:
     with cli.interrupts_not_swallowed(delay_s=0.01):
@@ -357,6 +362,7 @@ def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
     assert [type(u.exc_value) for u in reported] == [RuntimeError]  # others: as before
   finally:
     sys.unraisablehook = previous
+    signal.signal(signal.SIGINT, previous_sigint)
 
 
 def test_resume_messages():
