@@ -757,8 +757,8 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   int64_t c0 = 0;
   for (; c0 + G <= chunks; c0 += G) logits(std::integral_constant<int64_t, G>{}, c0);
   for (; c0 < chunks; ++c0) logits(std::integral_constant<int64_t, 1>{}, c0);
-  // masked softmax per query; weights past its extent are exactly 0 (even where it sees no
-  // slot at all and every logit is -1e10)
+  // masked softmax per query over its extent (the values pass reads no weight past it);
+  // every logit -1e10 where it sees no slot at all
   for (int64_t i = 0; i < count; ++i) {
     float* si = s + i * stride;
     const int64_t Ei = extent[i];
@@ -778,11 +778,11 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
     float top = -1e10f;
     for (int j = 0; j < kAttLanes; ++j) top = std::max(top, top_v[j]);
     for (int64_t l = whole; l < Ei; ++l) {
-      si[l] = m[l] ? si[l] + (bias == nullptr ? 0.0f : bias[l]) : -1e10f;
+      si[l] = !m[l] ? -1e10f : bias == nullptr ? si[l] : si[l] + bias[l];
       top = std::max(top, si[l]);
     }
     const int64_t ci = (Ei + kAttLanes - 1) / kAttLanes;
-    for (int64_t l = Ei; l < chunks * kAttLanes; ++l) si[l] = -1e30f;
+    for (int64_t l = Ei; l < ci * kAttLanes; ++l) si[l] = -1e30f;  // its last chunk's rest: 0
     AttV sum{};
     for (int64_t c = 0; c < ci; ++c) {
       AttV x = ExpNonPositive(Bits<AttV>(si + c * kAttLanes) - top);
