@@ -203,11 +203,14 @@ def row_bindings(*, gamma: int | None = None, choose_gamma: bool = False,
                  run_baseline: bool | None = None, num_examples: int | None = None,
                  batch_size: int | None = None, step_timing_repeats: int | None = None,
                  timing_repeats: int | None = None, mesh: str | None = None,
-                 compact_batch: bool | None = None) -> tuple[str, ...]:
+                 compact_batch: bool | None = None,
+                 refill_chunk: int | None = None) -> tuple[str, ...]:
   """gin bindings of a row's settings (None = keep the config's value): gamma and lenience
   of the 'speculative' decoder; choose_gamma: choose its gamma from warm-up measurements
   (`GammaChoice`; the warm-up decodes at gamma 4); run_baseline False: no baseline;
-  compact_batch: the baseline and the speculative decoder shrink their batch."""
+  compact_batch: the baseline and the speculative decoder shrink their batch; refill_chunk:
+  examples per decode call in the refill loop (`ExperimentConfig.refill_chunk`, batches'
+  worth; 0 decodes batch by batch)."""
   if choose_gamma and gamma is not None:
     raise ValueError("a row either fixes gamma or chooses it (choose_gamma), not both")
   out = []
@@ -220,7 +223,8 @@ def row_bindings(*, gamma: int | None = None, choose_gamma: bool = False,
                       ("NUM_EXAMPLES", num_examples), ("BATCH_SIZE", batch_size),
                       ("ExperimentConfig.step_timing_repeats", step_timing_repeats),
                       ("ExperimentConfig.timing_repeats", timing_repeats),
-                      ("ExperimentConfig.mesh", mesh), ("COMPACT_BATCH", compact_batch)):
+                      ("ExperimentConfig.mesh", mesh), ("COMPACT_BATCH", compact_batch),
+                      ("ExperimentConfig.refill_chunk", refill_chunk)):
     if value is not None:
       out.append(f"{name} = {_q(value) if isinstance(value, str) else repr(value)}")
   return tuple(out)

@@ -199,7 +199,7 @@ def test_reproduce_table1_is_the_theory(out):
 def _planned(argv, table):
   args = reproduce.parse_args(["--table", str(table)] + argv)
   pargs = reproduce._Args(args.scale, args.demo_targets, args.gamma, args.demo_models, None,
-                          None, None, None, ())
+                          None, None, None, (), args.refill_chunk)
   return {row.id: row for row in reproduce.plan(table, pargs)}
 
 
@@ -210,6 +210,7 @@ def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
     cfg = setups.parse_config(row.jobs["run"].setup)
     assert cfg.target.checkpoint.endswith("_target_big")
     assert cfg.gamma_choice is not None and row.jobs["run"].name.endswith("_gauto")
+    assert cfg.refill_chunk == reproduce.BIG_REFILL_CHUNK  # as the big main jobs decode
   drafts = {rid: setups.parse_config(r.jobs["run"].setup).draft.checkpoint
             for rid, r in rows.items()}
   assert drafts["ende_small_t0"].endswith("demo_models/ende_small")
@@ -229,9 +230,13 @@ def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
   cfg = setups.parse_config(small.setup)
   assert cfg.target.checkpoint.endswith("demo_models/ende_target")
   assert cfg.draft.checkpoint.endswith("demo_models/ende_large") and cfg.gamma_choice is None
+  assert cfg.refill_chunk == 0
   assert small.name == "ende_large_t1_g3"
   forced = _planned(["--gamma", "paper"], 4)["cnndm_small_t0"].jobs["run"]
   assert forced.name == "cnndm_small_t0_g5"
+  one_call = _planned(["--refill_chunk", "0"], 2)["ende_small_t0"].jobs["run"]
+  assert setups.parse_config(one_call.setup).refill_chunk == 0
+  assert one_call.key != rows["ende_small_t0"].jobs["run"].key  # a run directory of its own
   assert len(_planned(["--demo_targets", "small"], 3)) == len(paper_tables.TABLE3) + 2
 
 
