@@ -729,6 +729,14 @@ def test_attention_kernel_rows_do_not_depend_on_the_call():
                                                   wide_mask))
   seen = mask.any(axis=2)  # the query that sees nothing averages over all slots instead
   np.testing.assert_array_equal(wide[seen], full[seen])
+  # One row and head per call runs on the calling thread alone; the call of all of them
+  # (245 KB of K and V) splits its (row, head) items between threads: the same bits.
+  for b in range(q.shape[0]):
+    for n in range(q.shape[2]):
+      one = jax.jit(cpu_matmul.attention)(q[b:b + 1, :, n:n + 1], k[b:b + 1, n:n + 1],
+                                          v[b:b + 1, n:n + 1], bias[b:b + 1, n:n + 1],
+                                          mask[b:b + 1])
+      np.testing.assert_array_equal(np.asarray(one)[0, :, 0], full[b, :, n])
   with pytest.raises(ValueError, match="want K"):
     cpu_matmul.attention(q, v, v, bias, mask)
 
