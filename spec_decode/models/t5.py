@@ -306,6 +306,12 @@ def _attention_kernel(layer_params) -> bool:
   return packed if ATTENTION_KERNEL is None else cpu_matmul.available()
 
 
+def _attention_for(layer_params):
+  """The attention a layer with params `layer_params` runs over all its keys at once: the CPU
+  kernel's (`_attention_kernel`) or XLA's dots."""
+  return _attend_kernel if _attention_kernel(layer_params) else _attend
+
+
 def _pack_rows(x_BS_, index_P):
   """x [B, S, ...] at the flat positions index [P] -> [P, ...] (index B * S: zeros)."""
   B, S = x_BS_.shape[:2]
@@ -647,7 +653,7 @@ class T5(base.ParamSpecs):
       h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
       q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
-      attend = _attend_kernel if _attention_kernel(p) else _attend
+      attend = _attention_for(p)
       x = x + self._merge_heads(pack(attend(q, *_kv_layout(k, v), bias, attn_mask)),
                                 a["out"]["kernel"], rows)
       h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
@@ -763,15 +769,14 @@ class T5(base.ParamSpecs):
     one_row = x_BTD.shape[0] == 1 and x_BTD.shape[1] == 1
     if rowwise is None:
       rowwise = _rowwise_self_attention()
-    kernel = _attention_kernel(p)
-    attend = (_attend_kernel if kernel else
+    cross = _attention_for(p)
+    attend = (cross if cross is _attend_kernel else
               _attend_rowwise if one_row and rowwise else _attend)
     x = x_BTD + self._merge_heads(attend(q, k_all, v_all, self_bias, self_mask),
                                   a["out"]["kernel"])
     h = _Normed(x, p["pre_cross_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
     a = p["encoder_decoder_attention"]
     q = self._project_heads(h, a["query"]["kernel"])
-    cross = _attend_kernel if kernel else _attend
     x = x + self._merge_heads(cross(q, cross_k_BNHS, cross_v_BNSH, None, cross_mask_BTS),
                               a["out"]["kernel"])
     h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
