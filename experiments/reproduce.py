@@ -25,6 +25,8 @@ from warm-up measurements (`GammaChoice`, as the main job does) and the table sh
 to the paper's; --gamma paper runs the paper's gamma. With --demo_targets small (the 3.7M
 targets, where a CPU step is bound by launching kernels) the drafts are the demo small, base
 and large, at the paper's gamma.
+With the big demo targets each run decodes its examples 10 per call in the refill loop
+(--refill_chunk, both decoders), as their main jobs do; --refill_chunk 0: one call each.
 Every model row is one `spec_decode.main` experiment (see experiments/setups.py
 for what each scale runs); rows shared between tables run once. Run
 directories go to --runs_dir (resumable: a rerun reuses finished examples), the
