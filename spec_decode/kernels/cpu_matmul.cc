@@ -886,9 +886,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   // bytes of K and V: in a decode step they come from memory (the layers' weights streamed
   // through the caches since the step before), where one thread reads them at a fraction of
   // the bandwidth two do. (32 KB: a batch-1 step of the big EnDe target reads ~80 KB per
-  // call, the small draft's ~10 KB; split, the big target's T_p fell 4%, its verify of 6
-  // tokens 7%, batch 8's step 14%, and 25% for the CNN/DM target's 1-query step over ~300
-  // article positions, the draft's unchanged: AMD EPYC family 26, in one process.)
+  // call and the small EnDe draft's ~15 KB; split, the big target's T_p fell 4%, its
+  // verify of 6 tokens 7%, batch 8's step 14%, and 25% for the CNN/DM target's one-query
+  // step over ~300 article positions; the small drafts' steps, CNN/DM's with its
+  // cross-attention now split, did not move: AMD EPYC family 26, in one process.)
   if ((work * N * H < (1 << 18) && kv_bytes < kAttSplitBytes) || B * N < 2) helpers = 0;
   if (helpers <= 0) {
     heads(0, B * N);
