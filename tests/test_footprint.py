@@ -291,6 +291,7 @@ def test_a_release_during_warm_up_is_followed_by_a_second_warm_up(fresh, monkeyp
   includes a compile."""
   from spec_decode import experiment
   from spec_decode.cli import gin as gin_layer
+  from spec_decode.decoding import timing
   from spec_decode.experiment import run as run_module
   config = gin_layer.parse_experiment(["configs/toy_random.gin"], [
       "NUM_EXAMPLES = 4", "BATCH_SIZE = 4", "ExperimentConfig.step_timing_repeats = 1"])
@@ -303,7 +304,7 @@ def test_a_release_during_warm_up_is_followed_by_a_second_warm_up(fresh, monkeyp
   monkeypatch.setattr(footprint, "memory_map_use", use)
   monkeypatch.setattr(footprint, "release_executables_if_crowded", lambda *a, **k: False)
   timed_compiles, measuring = [], []
-  real_timed, real_measure = run_module.timed_in_turns, run_module.measure.measure_step_times
+  real_timed, real_measure = timing.timed_in_turns, run_module.measure.measure_step_times
 
   def timed(calls, repeats):  # a timed batch: every decoder's calls on it
     before = len(_COMPILES)
@@ -316,7 +317,7 @@ def test_a_release_during_warm_up_is_followed_by_a_second_warm_up(fresh, monkeyp
     measuring.append(1)
     return real_measure(*a, **k)
 
-  monkeypatch.setattr(run_module, "timed_in_turns", timed)
+  monkeypatch.setattr(timing, "timed_in_turns", timed)
   monkeypatch.setattr(run_module.measure, "measure_step_times", measure_step_times)
   released = footprint.releases()
   experiment.run_experiment(config, output_dir=str(tmp_path / "run"), show_progress=False)

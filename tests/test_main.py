@@ -775,28 +775,6 @@ def test_an_unknown_draft_kind_is_refused_before_the_target_loads(monkeypatch):
     setup.load(config)
 
 
-def test_timed_repeats_take_turns_between_decoders():
-  """timing_repeats rounds call every decoder once each, in reverse order every other round
-  (so a drift in the machine's speed falls on all alike); each keeps its last result and the
-  median of its times."""
-  from spec_decode.experiment import run as run_module
-  seen = []
-  def call(name):
-    def f():
-      seen.append(name)
-      return (name, seen.count(name))
-    return f
-  outputs, seconds = run_module.timed_in_turns({"autoregressive": call("autoregressive"),
-                                                "speculative": call("speculative")}, 3)
-  assert seen == ["autoregressive", "speculative", "speculative", "autoregressive",
-                  "autoregressive", "speculative"]
-  assert outputs == {"autoregressive": ("autoregressive", 3), "speculative": ("speculative", 3)}
-  assert set(seconds) == {"autoregressive", "speculative"}
-  assert all(isinstance(v, float) and v >= 0 for v in seconds.values())
-  with pytest.raises(ValueError, match="repeats >= 1"):
-    run_module.timed_in_turns({"a": call("a")}, 0)
-
-
 def test_refill_settings_are_checked():
   spec = model_specs.ModelSpec(preset="t5_1_1_tiny", config={"vocab_size": 64})
   make = lambda **kw: experiment.ExperimentConfig(

@@ -113,3 +113,24 @@ def test_step_time_runs_for_any_decoder():
     assert isinstance(s, float) and s > 0
   with pytest.raises(ValueError, match="num_tokens"):
     timing.step_time(model, params, enc, num_tokens=9, cache_length=8)
+
+
+def test_timed_repeats_take_turns_between_decoders():
+  """timing_repeats rounds call every decoder once each, in reverse order every other round
+  (so a drift in the machine's speed falls on all alike); each keeps its last result and the
+  median of its times."""
+  seen = []
+  def call(name):
+    def f():
+      seen.append(name)
+      return (name, seen.count(name))
+    return f
+  outputs, seconds = timing.timed_in_turns({"autoregressive": call("autoregressive"),
+                                           "speculative": call("speculative")}, 3)
+  assert seen == ["autoregressive", "speculative", "speculative", "autoregressive",
+                  "autoregressive", "speculative"]
+  assert outputs == {"autoregressive": ("autoregressive", 3), "speculative": ("speculative", 3)}
+  assert set(seconds) == {"autoregressive", "speculative"}
+  assert all(isinstance(v, float) and v >= 0 for v in seconds.values())
+  with pytest.raises(ValueError, match="repeats >= 1"):
+    timing.timed_in_turns({"a": call("a")}, 0)

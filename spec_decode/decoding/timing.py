@@ -63,6 +63,23 @@ def timed(fn: Callable[[], Any], *, repeats: int = 1, warmup: int = 0) -> Timed:
   return Timed(result=result, seconds=tuple(seconds))
 
 
+def timed_in_turns(calls: Mapping[str, Callable[[], Any]], repeats: int
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+  """({name: its last call's result}, {name: median seconds}) over `repeats` rounds in which
+  every call runs once (`timed`), in reverse order every other round: a drift in the
+  machine's speed falls on all of them alike, not on whichever was being timed during it."""
+  if not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"timed_in_turns needs repeats >= 1, got {repeats!r}")
+  outputs, times = {}, {name: [] for name in calls}
+  order = list(calls)
+  for r in range(repeats):
+    for name in (order if r % 2 == 0 else order[::-1]):
+      t = timed(calls[name])
+      outputs[name] = t.result
+      times[name].append(t.seconds[0])
+  return outputs, {name: statistics.median(ts) for name, ts in times.items()}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Workload:
   """What a timed decoder call works on, as the decoding loops see it.

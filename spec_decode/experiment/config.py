@@ -125,7 +125,7 @@ class ExperimentConfig:
   every decoder (temperature 0 = greedy). gamma_choice: choose one decoder's gamma from
   warm-up measurements (`GammaChoice`), or None. seed: the PRNG key.
   timing_repeats: timed runs per batch (median; the decoders take turns, one run each per
-  round, `run.timed_in_turns`). step_timing_repeats: interleaved rounds of
+  round, `timing.timed_in_turns`). step_timing_repeats: interleaved rounds of
   the step-cost measurements (`experiment.measure`). logical_axis_rules: (logical, mesh
   axis) pairs placed before T5X's standard rules (so they override them), and
   parameter_partitioning_dims (1 or 2, as T5X): the target's layout on the mesh (the draft

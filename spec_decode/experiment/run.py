@@ -11,11 +11,10 @@ many runs per batch, the decoders taking turns. The step costs (T_p, each decode
 proposal, c, the verify ratios) are measured after the rows, on one batch
 (`experiment.measure`), and a gamma chosen from warm-up measurements before them
 (`experiment.gamma`; gamma 0, the autoregressive loop, where those costs say speculation
-cannot pay). Rows are appended
-to `predictions.jsonl` after every batch; a rerun with the same output_dir skips the
-examples already there (refusing a changed config or a checkpoint changed in place),
-and the summary (`results.json`, `table_row.md`, see `experiment.report`) is always
-computed from all rows. See `experiment.results` for the files.
+cannot pay). Rows are appended to `predictions.jsonl` after every batch; a rerun with the
+same output_dir skips the examples already there (refusing a changed config or a
+checkpoint changed in place), and the summary (`results.json`, `table_row.md`, see
+`experiment.report`) is always computed from all rows. See `experiment.results` for the files.
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ def _decode_remaining(s: setup.Setup, todo: Sequence[data.Example], output_dir: 
   try:
     for b, batch in enumerate(batches):
       enc, ids = setup.inputs(s, batch)
-      outputs, seconds = timed_in_turns(
+      outputs, seconds = timing.timed_in_turns(
           {name: (lambda f=f: f(enc, ids)) for name, f in fns.items()}, cfg.timing_repeats)
       if b == 0:
         compile_s = {name: max(first_call[name] - seconds[name], 0.0) for name in fns}
@@ -110,23 +109,6 @@ def _decode_remaining(s: setup.Setup, todo: Sequence[data.Example], output_dir: 
     if bar is not None:
       bar.close()
   return {"first_call_seconds": first_call, "compile_seconds": compile_s}
-
-
-def timed_in_turns(calls: Mapping[str, Callable[[], Any]], repeats: int
-                   ) -> tuple[dict[str, Any], dict[str, float]]:
-  """({name: its last call's result}, {name: median seconds}) over `repeats` rounds in which
-  every call runs once, in reverse order every other round: a drift in the machine's speed
-  falls on all of them alike, not on whichever was being timed during it."""
-  if not isinstance(repeats, int) or repeats < 1:
-    raise ValueError(f"timed_in_turns needs repeats >= 1, got {repeats!r}")
-  outputs, times = {}, {name: [] for name in calls}
-  order = list(calls)
-  for r in range(repeats):
-    for name in (order if r % 2 == 0 else order[::-1]):
-      t = timing.timed(calls[name])
-      outputs[name] = t.result
-      times[name].append(t.seconds[0])
-  return outputs, {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def _compile_input_lengths(s: setup.Setup, fns, batches) -> None:

@@ -857,12 +857,17 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("decode_attention: shapes of q, k, v, bias and mask disagree");
   const bool* m = mask.typed_data();
   std::vector<int64_t> extent(B * T);
-  int64_t work = 0;
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    int64_t e = L;
-    while (e > 0 && !m[bt * L + e - 1]) --e;
-    extent[bt] = e > 0 ? e : L;  // nothing visible: all slots, uniformly
-    work += extent[bt];
+  int64_t work = 0, widest = 0;  // widest: the sum over rows of their widest extent
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t row = 0;
+    for (int64_t bt = b * T; bt < (b + 1) * T; ++bt) {
+      int64_t e = L;
+      while (e > 0 && !m[bt * L + e - 1]) --e;
+      extent[bt] = e > 0 ? e : L;  // nothing visible: all slots, uniformly
+      work += extent[bt];
+      row = std::max(row, extent[bt]);
+    }
+    widest += row;
   }
   const Attention a{q.typed_data(), k.typed_data(), v.typed_data(),
                     has_bias ? bias.typed_data() : nullptr, m, extent.data(),
@@ -877,10 +882,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       for (int64_t t = 0; t < a.T; t += kAttTile)
         kAttendTiles[std::min(kAttTile, a.T - t)](a, i / a.N, i % a.N, t, s.data(), scratch);
   };
-  int64_t kv_bytes = 0;  // the K and V bytes the call reads: each row's widest extent
-  for (int64_t b = 0; b < B; ++b)
-    kv_bytes += *std::max_element(extent.begin() + b * T, extent.begin() + (b + 1) * T) * N *
-                H * 2 * int64_t{sizeof(float)};
+  const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};  // K and V read
   int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
   // A second thread pays for enough multiply-adds (2 per slot and feature), or for enough
   // bytes of K and V: in a decode step they come from memory (the layers' weights streamed
