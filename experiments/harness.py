@@ -357,11 +357,13 @@ def batches(inputs: np.ndarray, batch_size: int) -> tuple[list[tuple[Any, Any]],
   return out, len(inputs)
 
 
-def setup_batches(s) -> tuple[list[tuple[Any, Any]], int]:
+def setup_batches(s, *, per_call: bool = False) -> tuple[list[tuple[Any, Any]], int]:
   """The batches of a loaded experiment (`experiment.Setup`): its examples in batches of its
-  batch size (the slots of a refilled run), row ids the example indices."""
+  batch size (the slots of a refilled run), row ids the example indices; per_call: in the
+  inputs of its decode calls instead (with refill, `refill_chunk` batches' worth each)."""
   from spec_decode.experiment import setup as run_setup
-  examples, B = list(s.examples), s.config.batch_size
+  examples = list(s.examples)
+  B = run_setup.call_rows(s) if per_call else s.config.batch_size
   return [run_setup.inputs(s, examples[i:i + B], rows=B)
           for i in range(0, len(examples), B)], len(examples)
 

@@ -58,8 +58,6 @@ DRAFT_LABELS = {"small": "T5-small", "base": "T5-base", "large": "T5-large",
 # The demo model standing in for each paper draft of a big demo target, by size ratio.
 BIG_TARGET_DRAFTS = {"small": "small", "base": "base", "large": "target"}
 GAMMA_RULES = ("paper", "auto")
-# Examples per decode call with the big demo targets (their main jobs' refill_chunk).
-BIG_REFILL_CHUNK = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,11 +456,7 @@ def parse_args(argv: Sequence[str]):
                  "paper: the config's)")
   p.add_argument("--step_timing_repeats", type=int, default=None)
   p.add_argument("--timing_repeats", type=int, default=None)
-  p.add_argument("--refill_chunk", type=int, default=None,
-                 help="examples per decode call in the refill loop, both decoders "
-                 "(ExperimentConfig.refill_chunk; 0: one call per batch). Default: 10 with the "
-                 "big demo targets, as their main jobs decode (the host's work of a call, "
-                 "~1-2 ms on 2 CPU cores, paid once per 10 examples), else 0")
+  setups.add_refill_chunk_flag(p)
   p.add_argument("--checkpoints", default=None,
                  help="paper scale: NAME=PATH,... with names <task>_target, <task>_<draft>")
   p.add_argument("--gin_bindings", action="append", default=[],
@@ -481,10 +475,7 @@ def parse_args(argv: Sequence[str]):
   args.row_filter = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
   if args.gamma is None:
     args.gamma = "auto" if _big(args) else "paper"
-  if args.refill_chunk is None:
-    args.refill_chunk = BIG_REFILL_CHUNK if _big(args) else 0
-  if args.refill_chunk < 0:
-    p.error(f"--refill_chunk must be >= 0, got {args.refill_chunk}")
+  args.refill_chunk = setups.refill_chunk_of(p, args)
   return args
 
 

@@ -96,6 +96,31 @@ def add_demo_targets_flag(parser, what: str = "the targets") -> None:
                       "the 3.7M ones (a kernel-launch-bound scale on a CPU)")
 
 
+# Examples per decode call with the big demo targets (their main jobs' refill_chunk).
+BIG_REFILL_CHUNK = 10
+
+
+def add_refill_chunk_flag(parser) -> None:
+  """The drivers' --refill_chunk flag (resolved by `refill_chunk_of`)."""
+  parser.add_argument("--refill_chunk", type=int, default=None,
+                      help="examples per decode call in the refill loop, both decoders "
+                      "(ExperimentConfig.refill_chunk; 0: one call per batch). Default: "
+                      f"{BIG_REFILL_CHUNK} with the big demo targets, as their main jobs decode "
+                      "(the host's work of a call, ~1-2 ms on 2 CPU cores, paid once per "
+                      f"{BIG_REFILL_CHUNK} examples), else 0")
+
+
+def refill_chunk_of(parser, args) -> int:
+  """--refill_chunk as given, or its default for the targets of --scale/--demo_targets;
+  a negative value is a usage error."""
+  if args.refill_chunk is None:
+    big = args.scale == "demo" and args.demo_targets == "big"
+    return BIG_REFILL_CHUNK if big else 0
+  if args.refill_chunk < 0:
+    parser.error(f"--refill_chunk must be >= 0, got {args.refill_chunk}")
+  return args.refill_chunk
+
+
 def demo_target(scale: str, task: str, targets: str) -> str | None:
   """The demo target model's name of `task` for --demo_targets `targets` (None off the demo
   scale)."""

@@ -210,7 +210,7 @@ def test_reproduce_maps_paper_drafts_by_size_to_the_big_demo_targets():
     cfg = setups.parse_config(row.jobs["run"].setup)
     assert cfg.target.checkpoint.endswith("_target_big")
     assert cfg.gamma_choice is not None and row.jobs["run"].name.endswith("_gauto")
-    assert cfg.refill_chunk == reproduce.BIG_REFILL_CHUNK  # as the big main jobs decode
+    assert cfg.refill_chunk == setups.BIG_REFILL_CHUNK  # as the big main jobs decode
   drafts = {rid: setups.parse_config(r.jobs["run"].setup).draft.checkpoint
             for rid, r in rows.items()}
   assert drafts["ende_small_t0"].endswith("demo_models/ende_small")
@@ -410,6 +410,15 @@ def test_heads_on_the_demo_pair(out):
     heads.parse_args(["--tasks", "wmt"])
 
 
+def test_ablate_decodes_as_the_main_jobs_with_the_big_targets():
+  assert ablate.parse_args([]).refill_chunk == setups.BIG_REFILL_CHUNK
+  assert ablate.parse_args(["--demo_targets", "small"]).refill_chunk == 0
+  assert ablate.parse_args(["--scale", "tiny"]).refill_chunk == 0
+  assert ablate.parse_args(["--refill_chunk", "0"]).refill_chunk == 0
+  with pytest.raises(SystemExit):
+    ablate.parse_args(["--refill_chunk", "-1"])
+
+
 @pytest.mark.slow
 def test_ablate_tiny(out, monkeypatch):
   # Executables released after every variant and gamma (a full sweep would run out of
@@ -420,8 +429,8 @@ def test_ablate_tiny(out, monkeypatch):
                       lambda: released.append(real(fraction=0.0)))
   paths = ablate.main(["--scale", "tiny", "--drafts", "small", "--gammas", "7",
                        "--temperature", "1", "--added_c", "0.5,1", "--matmul_size", "16",
-                       "--repeats", "1", "--inner", "1", "--num_examples", "1",
-                       "--results_dir", out["results"]])
+                       "--repeats", "1", "--inner", "1", "--num_examples", "3",
+                       "--refill_chunk", "2", "--results_dir", out["results"]])
   doc = _json(paths["json"])
   rows = doc["rows"]
   assert [(r["added_c"], r["gamma"]) for r in rows] == [(None, 7), (0.5, 7), (1.0, 7)]
@@ -434,6 +443,8 @@ def test_ablate_tiny(out, monkeypatch):
         r["alpha"], r["gamma"], r["c"]), rtol=1e-6)
     assert r["optimal_gamma_cost_model"] == 7 and r["setup_model"] > 0  # one gamma swept
     assert r["target_calls"] >= 1 and r["tokens"] >= 1
+    assert r["verify_ratio_fitted"] == r["verify_ratio"]  # one size: nothing to fit
+  assert "Each decode call takes 2 batches' worth" in open(paths["md"]).read()
   pngs = [p for k, p in paths.items() if k.startswith("png_")]
   assert len(pngs) == 3
   for p in pngs:
