@@ -184,7 +184,13 @@ def sweep(args) -> dict[str, Any]:
     cost_gamma = None if math.isnan(a) else max(
         v_rows, key=lambda r: float(theory.expected_tokens(a, r["gamma"]))
         / (r["gamma"] * r["c"] + r["verify_ratio_fitted"]))["gamma"]
+    # How far the measured curve lies from the predicted one (cost model + set-up).
+    off = [r["speedup"] / r["setup_model"] - 1.0 for r in v_rows if r["setup_model"]]
+    worst = max(off, key=abs) if off else None
     for r in v_rows:
+      r["setup_model_deviation"] = (r["speedup"] / r["setup_model"] - 1.0
+                                    if r["setup_model"] else None)
+      r["worst_setup_model_deviation"] = worst
       r["best_measured_gamma"] = best["gamma"]
       r["optimal_gamma_cost_model"] = cost_gamma
       r["variant_alpha"] = a
@@ -357,6 +363,7 @@ def parse_args(argv: Sequence[str]):
 def run(args, meta) -> harness.Output:
   res = sweep(args)
   x = lambda v: fmt(v, 2, "X")
+  pct = lambda v: "n/a" if v is None else f"{100 * v:+.0f}%"
   cols = [Column("variant", "draft"), Column("c", "c", lambda v: fmt(v, 3)),
           Column("gamma", "gamma"), Column("alpha", "alpha", lambda v: fmt(v, 3)),
           Column("tokens_per_call", "tokens/call", lambda v: fmt(v, 2)),
@@ -365,6 +372,7 @@ def run(args, meta) -> harness.Output:
           Column("speedup", "speedup (measured)", x), Column("thm38", "Thm 3.8", x),
           Column("cost_model", "cost model", x),
           Column("setup_model", "cost model + set-up", x),
+          Column("setup_model_deviation", "measured / (cost model + set-up) - 1", pct),
           Column("best_measured_gamma", "best gamma (measured)"),
           Column("optimal_gamma_cost_model", "best gamma (cost model)"),
           Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)")]
@@ -410,7 +418,8 @@ def run(args, meta) -> harness.Output:
       Column("setup_model", "cost model + set-up there", x),
       Column("optimal_gamma_cost_model", "best gamma (cost model)"),
       Column("optimal_gamma_thm38", "optimal gamma (Thm 3.8)"),
-      Column("speedup_at_optimal", "measured at Thm 3.8's gamma", x)]
+      Column("speedup_at_optimal", "measured at Thm 3.8's gamma", x),
+      Column("worst_setup_model_deviation", "worst gap to cost model + set-up", pct)]
   summary_rows = []
   for v_rows in _by_variant(res["rows"]).values():
     best = next(r for r in v_rows if r["gamma"] == r["best_measured_gamma"])

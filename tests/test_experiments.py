@@ -444,6 +444,8 @@ def test_ablate_tiny(out, monkeypatch):
     assert r["optimal_gamma_cost_model"] == 7 and r["setup_model"] > 0  # one gamma swept
     assert r["target_calls"] >= 1 and r["tokens"] >= 1
     assert r["verify_ratio_fitted"] == r["verify_ratio"]  # one size: nothing to fit
+    np.testing.assert_allclose(r["setup_model_deviation"], r["speedup"] / r["setup_model"] - 1)
+    assert r["worst_setup_model_deviation"] == r["setup_model_deviation"]  # one gamma each
   assert "Each decode call takes 2 batches' worth" in open(paths["md"]).read()
   pngs = [p for k, p in paths.items() if k.startswith("png_")]
   assert len(pngs) == 3
