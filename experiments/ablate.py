@@ -145,9 +145,9 @@ def sweep(args) -> dict[str, Any]:
   # experiment.release_executables_if_crowded).
   common = dict(max_decode_len=cfg.decode_len, sampling=cfg.sampling,
                 rng=jax.random.PRNGKey(cfg.seed))
-  ar = harness.decode_fn(decoding.Autoregressive(), target, tparams, **common)
   if cfg.refill_chunk:
     common["refill_batch"] = cfg.batch_size
+  ar = harness.decode_fn(decoding.Autoregressive(), target, tparams, **common)
   rows = []
   for i, v in enumerate(variants):
     for g in args.gammas:

@@ -196,6 +196,26 @@ def test_training_time_test_matches_drafting():
     np.testing.assert_allclose(step2[:, i], pred[:, 0], atol=1e-5)
 
 
+def test_loss_weights_the_feature_regression_and_the_cross_entropy():
+  """EAGLE-1's loss (feature regression + ce_weight x CE) and EAGLE-3's (CE alone) are the
+  step weights' mean of feature_weight x reg_j + ce_weight x ce_j."""
+  target, tp, enc, ar_tokens, *_ = tiny_target_and_split()
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, fuse_layers=(0,)))
+  hp = head.init(jax.random.PRNGKey(3))
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), ar_tokens[:, :L - 1]], axis=1)
+  batch = {"encoder_tokens": enc, "decoder_inputs": dec_in,
+           "weights": (ar_tokens > 0).astype(np.float32)}
+  loss = lambda **w: train_eagle.eagle_loss(head, hp, target, tp, batch, unroll=2,
+                                            unroll_decay=0.5, **w)
+  _, m = loss(ce_weight=1.0, feature_weight=1.0)
+  assert float(m["reg_1"]) > 0 and float(m["ce_1"]) > 0
+  for fw, cw in ((1.0, 0.1), (0.0, 1.0), (2.0, 0.0)):
+    value, _ = loss(ce_weight=cw, feature_weight=fw)
+    want = sum(w * (fw * m[f"reg_{j}"] + cw * m[f"ce_{j}"])
+               for j, w in ((1, 1.0), (2, 0.5))) / 1.5
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_training_resumes_from_its_workdir(tmp_path):
   target, tp, *_ = _setup()

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, heads,
-                         kernel_threads, paper_tables, peers, reproduce, results_readme,
+from experiments import (ablate, batch_scaling, benchmark, demo_quality, draft_free, harness,
+                         heads, kernel_threads, paper_tables, peers, reproduce, results_readme,
                          setup_cost, setups, shallow_reuse, step_variants, trees,
                          verify_scaling)
 from spec_decode import decoding, experiment, theory
@@ -427,6 +427,10 @@ def test_ablate_tiny(out, monkeypatch):
   real = ablate.release_executables_if_crowded
   monkeypatch.setattr(ablate, "release_executables_if_crowded",
                       lambda: released.append(real(fraction=0.0)))
+  made = []  # every decoder, the baseline too, decodes in the refill loop's one slot
+  real_fn = harness.decode_fn
+  monkeypatch.setattr(harness, "decode_fn", lambda algorithm, *a, **kw: made.append(
+      (type(algorithm).__name__, kw.get("refill_batch"))) or real_fn(algorithm, *a, **kw))
   paths = ablate.main(["--scale", "tiny", "--drafts", "small", "--gammas", "7",
                        "--temperature", "1", "--added_c", "0.5,1", "--matmul_size", "16",
                        "--repeats", "1", "--inner", "1", "--num_examples", "3",
@@ -447,6 +451,7 @@ def test_ablate_tiny(out, monkeypatch):
     np.testing.assert_allclose(r["setup_model_deviation"], r["speedup"] / r["setup_model"] - 1)
     assert r["worst_setup_model_deviation"] == r["setup_model_deviation"]  # one gamma each
   assert "Each decode call takes 2 batches' worth" in open(paths["md"]).read()
+  assert made == [("Autoregressive", 1)] + [("Speculative", 1)] * 3
   pngs = [p for k, p in paths.items() if k.startswith("png_")]
   assert len(pngs) == 3
   for p in pngs:
@@ -856,7 +861,6 @@ def test_time_decodes_warms_up_again_after_a_release_and_refuses_programs_that_d
   compiled again before the rounds. A release during the second warm-up or a timed round
   (the decoders' programs do not fit together; each timed call would compile): an error,
   not timings that include compiles."""
-  from experiments import harness
   from spec_decode.decoding import footprint
   released, calls = [0], []
 

@@ -167,6 +167,8 @@ def test_head_configs_check_their_numbers_and_head_keys():
       (eagle.EagleTrainConfig, dict(unroll_decay="high"), "unroll_decay must be a number in"),
       (eagle.EagleTrainConfig, dict(unroll_decay=0.0), "unroll_decay must be a number in"),
       (eagle.EagleTrainConfig, dict(ce_weight=float("nan")), "ce_weight must be a finite number"),
+      (eagle.EagleTrainConfig, dict(feature_weight=-1.0), "feature_weight must be a finite"),
+      (eagle.EagleTrainConfig, dict(feature_weight=0, ce_weight=0), "both 0, so the loss is 0"),
       (eagle.EagleTrainConfig, dict(unroll="3"), "unroll must be an int >= 1, got '3'"),
       (eagle.EagleTrainConfig, dict(head={"bogus": 1}),
        r"EagleTrainConfig.head has unknown keys \['bogus'\]; valid keys .*EagleConfig.*"

@@ -11,8 +11,13 @@ query i (sequence position i + j - 1), the pair (feature, s_{i+j}) where the
 feature is f_i at step 1 and the head's own step j - 1 prediction at query i
 afterwards, and asks for f_{i+j}:
 
-  loss_j = smooth_l1(f'_{i+j}, f_{i+j}) + ce_weight * CE(p_{i+j}, LM(f'_{i+j}))
+  loss_j = feature_weight * smooth_l1(f'_{i+j}, f_{i+j}) + ce_weight * CE(p_{i+j}, LM(f'_{i+j}))
   loss   = sum_j unroll_decay^(j-1) loss_j / sum_j unroll_decay^(j-1)
+
+EAGLE-1 regresses the target's features (feature_weight 1, ce_weight 0.1 in its
+recipe); EAGLE-3 drops that constraint and trains on the target's next-token laws
+alone (feature_weight 0, ce_weight 1), so a head fed fused low/middle/high states is
+free to carry more than the final state in its own outputs.
 
 Step j's query i attends to step 1's entries at positions <= i (the true
 features a drafting head's cache holds) and to its own chain's entries of steps
@@ -46,12 +51,14 @@ class EagleTrainConfig(HeadTrainConfig):
   """An EAGLE head-training run (`HeadTrainConfig` plus the losses' settings).
 
   unroll: k, the training-time-test steps (1 = EAGLE-1); unroll_decay: the
-  weight ratio of step j + 1 to step j; ce_weight: the cross-entropy term's
-  weight.
+  weight ratio of step j + 1 to step j; feature_weight and ce_weight: the weights
+  of the feature regression and of the cross-entropy against the target's laws
+  (EAGLE-3: 0 and 1).
   """
   unroll: int = 3
   unroll_decay: float = 0.8
   ce_weight: float = 0.1
+  feature_weight: float = 1.0
 
   _positive_ints = HeadTrainConfig._positive_ints + ("unroll",)
   _head_config = eagle.EagleConfig
@@ -60,6 +67,10 @@ class EagleTrainConfig(HeadTrainConfig):
     super().__post_init__()
     trainer.check_real(self, "unroll_decay", "a number in (0, 1]", lambda v: 0 < v <= 1)
     trainer.check_real(self, "ce_weight", "a finite number >= 0", lambda v: v >= 0)
+    trainer.check_real(self, "feature_weight", "a finite number >= 0", lambda v: v >= 0)
+    if self.ce_weight + self.feature_weight == 0:
+      raise ValueError("EagleTrainConfig: ce_weight and feature_weight are both 0, so the loss "
+                       "is 0 and the head would not train")
 
   def run(self, **kw) -> HeadTrainResult:
     """Trains an EAGLE head (`train`): what the command line runs with this config."""
@@ -108,7 +119,7 @@ def unrolled_predictions(head: eagle.EagleHead, params, encoded, features_BTD, e
 
 
 def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unroll_decay: float,
-               ce_weight: float):
+               ce_weight: float, feature_weight: float = 1.0):
   """(loss, metrics) of one batch; see the module doc."""
   dec_in = batch["decoder_inputs"]
   encoded, hidden, logp = target_features(target, target_params, batch["encoder_tokens"],
@@ -126,7 +137,8 @@ def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unrol
     reg = jnp.sum(jnp.mean(optax.huber_loss(pred.astype(jnp.float32), want), axis=-1) * wj) / n
     terms = distill_terms(target, target_params, pred, shift_left(logp, j), wj)
     weight = unroll_decay ** (j - 1)
-    total, norm = total + weight * (reg + ce_weight * terms["ce"]), norm + weight
+    total = total + weight * (feature_weight * reg + ce_weight * terms["ce"])
+    norm = norm + weight
     metrics.update({f"reg_{j}": reg, f"ce_{j}": terms["ce"], f"agree_{j}": terms["agree"]})
   metrics["tokens"] = jnp.sum(w)
   return total / norm, metrics
@@ -139,7 +151,7 @@ def train(cfg: EagleTrainConfig, **kw) -> HeadTrainResult:
       build=lambda target: eagle.EagleHead(eagle.EagleConfig.for_target(target.config,
                                                                          **dict(cfg.head))),
       loss=functools.partial(eagle_loss, unroll=cfg.unroll, unroll_decay=cfg.unroll_decay,
-                             ce_weight=cfg.ce_weight),
+                             ce_weight=cfg.ce_weight, feature_weight=cfg.feature_weight),
       describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
                           f"{m['agree_1']:.3f} agree_{cfg.unroll} "
                           f"{m[f'agree_{cfg.unroll}']:.3f}"))
