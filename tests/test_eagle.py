@@ -214,6 +214,14 @@ def test_loss_weights_the_feature_regression_and_the_cross_entropy():
     want = sum(w * (fw * m[f"reg_{j}"] + cw * m[f"ce_{j}"])
                for j, w in ((1, 1.0), (2, 0.5))) / 1.5
     np.testing.assert_allclose(value, want, rtol=1e-5)
+  # A learned start adds its f_0 term at weight 1.
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, start_feature=True))
+  hp = head.init(jax.random.PRNGKey(3))
+  value, m = loss(ce_weight=0.1, feature_weight=1.0)
+  assert float(m["reg_0"]) > 0 and "agree_0" in m
+  want = sum(w * (m[f"reg_{j}"] + 0.1 * m[f"ce_{j}"])
+             for j, w in ((0, 1.0), (1, 1.0), (2, 0.5))) / 2.5
+  np.testing.assert_allclose(value, want, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -419,6 +427,73 @@ def test_tree_commit_feeds_the_head_the_accepted_paths_states():
 def _fused_head(target, layers=(0,)):
   head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, fuse_layers=layers))
   return head, head.init(jax.random.PRNGKey(5))
+
+
+def _start_head(target):
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, start_feature=True))
+  return head, head.init(jax.random.PRNGKey(5))
+
+
+@pytest.mark.slow
+def test_start_head_drafts_from_the_first_call_and_trains():
+  """A head with a learned start proposes gamma tokens on every call, the first too (its
+  f_0 predicted from the encoder output), and greedy outputs stay the target's; a briefly
+  trained one gets tokens accepted on the first call."""
+  target, tp, enc, ar_tokens, ar_lengths, split = tiny_target_and_split()
+  cfg = train_eagle.EagleTrainConfig(unroll=2, batch_size=16, num_steps=60, input_length=S,
+                                     target_length=L, learning_rate=3e-3, warmup_steps=5,
+                                     log_every=10, eval_every=1000, eval_examples=N,
+                                     head={"start_feature": True})
+  result = train_eagle.train(cfg, report=lambda s: None, train_split=split, eval_split=split,
+                             target=target, target_params=tp)
+  assert result.head.has_start and "agree_0" in result.history[-1]
+  assert result.history[-1]["reg_0"] < 0.7 * result.history[0]["reg_0"]  # f_0 is learned
+  for head, hp in (_start_head(target), (result.head, result.params)):
+    out = decoding.run(_speculative(), target, tp, enc, draft=head, draft_params=hp,
+                       max_decode_len=L)
+    assert _check_greedy_rows(target, tp, enc, range(N), np.asarray(out.tokens),
+                              np.asarray(out.lengths), ar_tokens, ar_lengths) == 0
+    stats = out.stats
+    np.testing.assert_array_equal(stats.draft_tokens, 3 * np.asarray(stats.target_calls))
+  # The trained start is right often enough that the first calls accept tokens: fewer
+  # target calls than the same rows would need with a first call that drafts nothing.
+  plain = decoding.run(_speculative(), target, tp, enc, draft=_setup()[-1].head,
+                       draft_params=_setup()[-1].params, max_decode_len=L)
+  assert int(np.sum(out.stats.target_calls)) < int(np.sum(plain.stats.target_calls))
+  tree = decoding.run(_tree_speculative(budget=6), target, tp, enc, draft=result.head,
+                      draft_params=result.params, max_decode_len=L)
+  assert _check_greedy_rows(target, tp, enc, range(N), np.asarray(tree.tokens),
+                            np.asarray(tree.lengths), ar_tokens, ar_lengths) == 0
+
+
+@pytest.mark.slow
+def test_start_head_sequence_law_is_exact_at_temperature_1():
+  fit, result = ex.head_law_fit(_speculative(gamma=2), _start_head, "eagle start t5 T=1")
+  assert fit.p_value > ex.P_REJECT
+  assert 0 < int(np.sum(result.stats.accepted)) < int(np.sum(result.stats.decisions))
+
+
+def test_start_prediction_leaves_the_cache_empty_and_round_trips(tmp_path):
+  target, tp, enc, *_ = tiny_target_and_split()
+  head, hp = _start_head(target)
+  assert hp["start"]["feature"].shape == (target.config.emb_dim,)
+  cache = head.init_cache(hp, target.encode(tp, enc), L)
+  bos = target.embed(tp, np.zeros((N, 1), np.int32))
+  f0 = head.start_prediction(hp, cache, bos)
+  assert f0.shape == (N, target.config.emb_dim) and np.all(np.asarray(cache.lengths) == 0)
+  # The same as a step on (start, e(s_0)) over the empty cache: rows differ by their inputs.
+  start = np.broadcast_to(np.asarray(hp["start"]["feature"]), (N, 1, target.config.emb_dim))
+  np.testing.assert_allclose(f0, head.step(hp, cache, start, bos)[0][:, 0], atol=1e-6)
+  assert not np.allclose(f0[0], f0[1])
+  head_checkpoints.save(str(tmp_path / "h"), head, hp, step=1)
+  loaded, _ = head_checkpoints.load(str(tmp_path / "h"), kind="eagle")
+  assert loaded == head and loaded.has_start
+  assert "start_feature" not in eagle.EagleConfig.for_target(target.config).to_json()
+  plain, pp = _random_head(target)
+  with pytest.raises(ValueError, match="has no learned start"):
+    plain.start_prediction(pp, cache, bos)
+  with pytest.raises(ValueError, match="start_feature must be a bool"):
+    eagle.EagleConfig.for_target(target.config, start_feature=1)
 
 
 def test_decode_returns_the_requested_layers_streams():

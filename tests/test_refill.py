@@ -129,22 +129,27 @@ def _head(name: str, target):
     head = mtp.MtpModules(mtp.MtpConfig.for_target(target.config, num_modules=3))
     return decoding.Speculative(gamma=3, drafter=MtpDrafter()), head, head.init(
         jax.random.PRNGKey(5))
-  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config))
-  algo = (decoding.Speculative(gamma=3, drafter=EagleDrafter()) if name == "eagle" else
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config,
+                                                     start_feature=name == "eagle_start"))
+  algo = (decoding.Speculative(gamma=3, drafter=EagleDrafter()) if name.startswith("eagle_s")
+          or name == "eagle" else
           decoding.Speculative(gamma=3, drafter=EagleTreeDrafter(budget=6, depth=3, steps=3),
                                verifier=decoding.TreeVerifier()))
   return algo, head, head.init(jax.random.PRNGKey(5))
 
 
 @pytest.mark.parametrize("name, sampling", tiered(
-    [("eagle", GREEDY), ("eagle", SAMPLED), ("eagle_tree", SAMPLED), ("mtp", SAMPLED)],
+    [("eagle", GREEDY), ("eagle", SAMPLED), ("eagle_tree", SAMPLED), ("mtp", SAMPLED),
+     ("eagle_start", SAMPLED)],
     fast=("eagle-sampled",),
-    ids=["eagle-greedy", "eagle-sampled", "eagle_tree-sampled", "mtp-sampled"]))
+    ids=["eagle-greedy", "eagle-sampled", "eagle_tree-sampled", "mtp-sampled",
+         "eagle_start-sampled"]))
 def test_refill_with_feature_heads(name, sampling):
   """EAGLE (chain and tree) and MTP heads propose nothing on a row's first iteration, which
-  is per row (nothing committed yet), so a refilled slot starts its new row as a fresh
-  batch does: every row equals the plain batched decode, and a refilled row equals the
-  row decoded alone."""
+  is per row (nothing committed yet), and an EAGLE head with a learned start predicts the
+  entering row's f_0 from its own encoder output (`EagleDrafter.init` of the entering
+  rows), so a refilled slot starts its new row as a fresh batch does: every row equals
+  the plain batched decode, and a refilled row equals the row decoded alone."""
   target, tp, _, _ = ex.t5_eos_pair()
   algo, head, hp = _head(name, target)
   enc = _inputs()

@@ -27,10 +27,17 @@ the final state) instead of f_t; its own predictions stay D-wide, so drafting fe
 them as before. The verify call returns those streams when the drafter asks
 (`Drafter.target_layers`), so fusion costs no second target pass either.
 
+A learned start (`EagleConfig.start_feature`): the target's state f_0 at s_0 = BOS is a
+function of the encoder output alone, so the head can predict it before the target ran
+at all: from the pair (a learned vector, e(s_0)) in an otherwise empty cache
+(`start_prediction`). A row's first iteration then drafts gamma tokens, as a draft model's
+does, instead of spending a target call on s_1 alone.
+
 Parameters (T5X-style names): fc/kernel [2D, D]; feature_norm, token_norm,
 final_norm scales [D]; relpos_bias/rel_embedding; layers_0/... with the names
 of a T5 decoder layer; with fuse_layers also fuse/kernel [(1 + L) D, D] and
-fuse_norm_<i>/scale [D]. The block is `t5.T5.decoder_layer`, not a copy.
+fuse_norm_<i>/scale [D]; with start_feature also start/feature [D]. The block is
+`t5.T5.decoder_layer`, not a copy.
 """
 
 from __future__ import annotations
@@ -59,11 +66,14 @@ class EagleConfig:
   layer_norm_epsilon: float = 1e-6
   dtype: Any = jnp.float32
   fuse_layers: tuple[int, ...] = ()
+  start_feature: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
     object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))
+    if not isinstance(self.start_feature, bool):
+      raise ValueError(f"EagleConfig.start_feature must be a bool, got {self.start_feature!r}")
     bad = [i for i in self.fuse_layers if not isinstance(i, int) or isinstance(i, bool) or i < 0]
     if bad or len(set(self.fuse_layers)) != len(self.fuse_layers):
       raise ValueError(f"EagleConfig.fuse_layers must be distinct decoder layer indices >= 0, "
@@ -99,6 +109,8 @@ class EagleConfig:
     d["fuse_layers"] = list(self.fuse_layers)
     if not self.fuse_layers:
       del d["fuse_layers"]  # an EAGLE-1 head's file reads as before
+    if not self.start_feature:
+      del d["start_feature"]  # likewise a head without a learned start
     return d
 
   @classmethod
@@ -153,7 +165,14 @@ class EagleHead(base.ParamSpecs):
                               init.variance_scaling(1.0, "fan_in", "normal"))
       for i in c.fuse_layers:
         specs[f"fuse_norm_{i}/scale"] = ((D,), ("embed",), init.ones)
+    if c.start_feature:  # unit scale, as the features feature_norm sees
+      specs["start/feature"] = ((D,), ("embed",), init.normal(1.0))
     return specs
+
+  @property
+  def has_start(self) -> bool:
+    """Whether the head predicts f_0 from its learned start (`start_prediction`)."""
+    return self.config.start_feature
 
   @property
   def target_layers(self) -> tuple[int, ...]:
@@ -240,6 +259,18 @@ class EagleHead(base.ParamSpecs):
                                   cross_mask)
     x = t5._rms_norm(x, params["final_norm"]["scale"], c.layer_norm_epsilon)
     return x, cache.replace(self_k=(k,), self_v=(v,), lengths=offsets + T)
+
+  def start_prediction(self, params, cache: t5.DecodeCache, embeddings_B1D):
+    """The predicted f_0 [B, D] (the target's state at s_0, which depends on the encoder
+    output alone): one step on the pair (the learned start feature, e(s_0)) =
+    embeddings [B, 1, D] over the EMPTY `cache` (`init_cache`'s); the step's cache entry
+    is dropped, so the cache stays empty and the first committed pair (f_0, s_1) takes
+    position 0 as usual."""
+    if not self.has_start:
+      raise ValueError("this EAGLE head has no learned start (EagleConfig.start_feature)")
+    B = embeddings_B1D.shape[0]
+    start = jnp.broadcast_to(params["start"]["feature"], (B, 1, self.d_model))
+    return self.step(params, cache, start, embeddings_B1D)[0][:, 0]
 
   def forward(self, params, encoded: t5.EncoderOutput, features_BTD, embeddings_BTD):
     """Teacher-forced predictions [B, T, D] of T pairs from an empty cache (training)."""

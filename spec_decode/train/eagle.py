@@ -14,6 +14,11 @@ afterwards, and asks for f_{i+j}:
   loss_j = feature_weight * smooth_l1(f'_{i+j}, f_{i+j}) + ce_weight * CE(p_{i+j}, LM(f'_{i+j}))
   loss   = sum_j unroll_decay^(j-1) loss_j / sum_j unroll_decay^(j-1)
 
+A head with a learned start (head={'start_feature': True}) also predicts f_0 from
+the pair (its start vector, e(s_0)) alone (`EagleHead.start_prediction`), a term
+  loss_0 = feature_weight * smooth_l1(f'_0, f_0) + ce_weight * CE(p_0, LM(f'_0))
+of weight 1 beside the unroll steps' (normalized with them).
+
 EAGLE-1 regresses the target's features (feature_weight 1, ce_weight 0.1 in its
 recipe); EAGLE-3 drops that constraint and trains on the target's next-token laws
 alone (feature_weight 0, ce_weight 1), so a head fed fused low/middle/high states is
@@ -129,14 +134,20 @@ def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unrol
   embed_fn = lambda tokens: target.embed(target_params, tokens)
   preds = unrolled_predictions(head, params, encoded, head.target_input(params, hidden),
                                embed_fn, dec_in, unroll)
+  # (step, predictions [B, T, D] of f_{i+step}, weight): step 0 is the start's f_0.
+  steps = [(j, pred, unroll_decay ** (j - 1)) for j, pred in enumerate(preds, start=1)]
+  if head.has_start:
+    start = head.start_prediction(params, head.init_cache(params, encoded, 1),
+                                  embed_fn(dec_in[:, :1]))
+    steps.insert(0, (0, start[:, None], 1.0))
   total, norm, metrics = 0.0, 0.0, {}
-  for j, pred in enumerate(preds, start=1):
-    wj = shift_left(w, j)
+  for j, pred, weight in steps:
+    T = pred.shape[1]
+    wj = shift_left(w, j)[:, :T]
     n = jnp.maximum(jnp.sum(wj), 1.0)
-    want = shift_left(feats, j).astype(jnp.float32)
+    want = shift_left(feats, j)[:, :T].astype(jnp.float32)
     reg = jnp.sum(jnp.mean(optax.huber_loss(pred.astype(jnp.float32), want), axis=-1) * wj) / n
-    terms = distill_terms(target, target_params, pred, shift_left(logp, j), wj)
-    weight = unroll_decay ** (j - 1)
+    terms = distill_terms(target, target_params, pred, shift_left(logp, j)[:, :T], wj)
     total = total + weight * (feature_weight * reg + ce_weight * terms["ce"])
     norm = norm + weight
     metrics.update({f"reg_{j}": reg, f"ce_{j}": terms["ce"], f"agree_{j}": terms["agree"]})

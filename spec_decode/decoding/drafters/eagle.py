@@ -18,9 +18,11 @@ the head's prediction of f_m, the target's state at input s_m.
            `feature` becomes its prediction at pair m' - 1 (f_{m'}).
 
 A row's first iteration (nothing committed yet: the loop's first, or the first after
-the row entered a refilled slot) has no target feature: its proposal has length 0, so
-the verify call is a plain target step (the verifier accepts nothing and
-draws s_1 from p at the root); from then on every proposal is full. Greedy
+the row entered a refilled slot) has no target feature: with a learned start
+(`EagleHead.has_start`) `feature` is the head's own prediction of f_0 and the proposal
+is full; without one its proposal has length 0, so the verify call is a plain target
+step (the verifier accepts nothing and draws s_1 from p at the root); from then on
+every proposal is full. Greedy
 proposals are the LM head's argmax chain with q None; sampled ones draw from
 the adjusted law `ctx.sampling.probs` and return it as q, so the chain
 verifier's rejection sampling stays exact. Unsharded runs only (mesh=None).
@@ -49,6 +51,7 @@ from spec_decode.decoding.drafters.base import Drafter
 from spec_decode.decoding.drafters.tree import TreeDrafter, confidence
 from spec_decode.decoding.sampling import argmax, draw
 from spec_decode.decoding.types import Committed, Proposal
+from spec_decode.models.base import BOS_ID
 
 
 @runtime_checkable
@@ -73,6 +76,11 @@ class FeatureHead(Protocol):
 
   def target_input(self, params, hidden_BTF):
     """The D-wide feature fed to `step` from the target's states (`Committed.target_hidden`)."""
+
+  has_start: bool  # whether start_prediction predicts f_0 before the target ran
+
+  def start_prediction(self, params, cache, embeddings_B1D):
+    """The predicted f_0 [B, D] from the empty cache and the embedding of s_0."""
 
 
 @flax.struct.dataclass
@@ -101,8 +109,13 @@ class EagleDrafter(Drafter):
       raise ValueError("EagleDrafter runs unsharded only (mesh=None)")
     head = ctx.draft
     cache = head.init_cache(ctx.draft_params, ctx.encode("target"), room)
-    return EagleState(cache=cache,
-                      feature=jnp.zeros((ctx.batch_size, head.d_model), head.config.dtype))
+    if head.has_start:  # f_0 predicted from the encoder output: the first call drafts too
+      bos = jnp.full((ctx.batch_size, 1), BOS_ID, jnp.int32)
+      feature = head.start_prediction(ctx.draft_params, cache,
+                                      ctx.target.embed(ctx.target_params, bos))
+    else:
+      feature = jnp.zeros((ctx.batch_size, head.d_model), head.config.dtype)
+    return EagleState(cache=cache, feature=feature.astype(head.config.dtype))
 
   def propose(self, ctx, state: EagleState, committed: Committed, keys_BK, num: int):
     head, hp = ctx.draft, ctx.draft_params
@@ -131,8 +144,11 @@ class EagleDrafter(Drafter):
     q = None if greedy else jnp.concatenate([q1[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
     B = x.shape[0]
     # A row's first iteration (nothing committed yet, also for a row that entered a
-    # refilled slot) has no target feature: an empty proposal.
-    length = jnp.where(committed.length == 0, 0, num).astype(jnp.int32)
+    # refilled slot) has no target feature: an empty proposal, unless the head predicted
+    # f_0 from its learned start.
+    length = jnp.full_like(committed.length, num) if head.has_start else jnp.where(
+        committed.length == 0, 0, num)
+    length = length.astype(jnp.int32)
     return (Proposal.chain(x, q, length=length),
             state.replace(cache=cache.rewind(state.cache.lengths)))
 
@@ -187,7 +203,8 @@ class EagleTreeDrafter(TreeDrafter):
     feats = jnp.zeros((B, N, head.d_model), head.config.dtype)
     tok, par, _, path_lp = self.grow(ctx.sampling, lm(root_feature[:, None])[:, 0], score,
                                      feats)
-    par = jnp.where((m == 0)[:, None], -2, par)  # no target feature yet: an empty tree
+    if not head.has_start:  # no target feature yet: an empty tree
+      par = jnp.where((m == 0)[:, None], -2, par)
     conf = jnp.where(par >= -1, confidence(path_lp), 0.0)
     return Proposal(tokens=tok, q=None, parent=par, confidence=conf), state
 
