@@ -181,8 +181,10 @@ def run(args, meta) -> harness.Output:
            "c: each decoder's proposal (its drafter's own propose in a jitted loop: the small "
            "draft's gamma steps, the EAGLE head's chain, the Medusa heads' one call, the MTP "
            "modules' gamma windows) divided by gamma, over one target step; marginal costs "
-           "in interleaved rounds (`experiment.measure.step_costs`). EAGLE's and MTP's first "
-           "call of each example proposes nothing (no target feature yet); EAGLE's commit "
+           "in interleaved rounds (`experiment.measure.step_costs`). MTP's first call of each "
+           "example proposes nothing (no target feature yet), nor does an EAGLE head's "
+           "without a learned start (`EagleConfig.start_feature`: one predicts f_0 from the "
+           "encoder output, so its first call drafts too); EAGLE's commit "
            "feeds the verified positions through the head, which c does not count (MTP's "
            "commit runs no module).",
            "Thm 3.8 = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha "

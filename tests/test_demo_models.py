@@ -112,21 +112,24 @@ def test_demo_checkpoints_load(name):
   assert shapes == jax.tree_util.tree_map(lambda x: x.shape, t5.T5(cfg).param_shapes())
 
 
-# (EAGLE head, the target it was trained on, its fused layers): the 3.7M targets' heads, the
-# big EnDe target's final-state and EAGLE-3 fused heads, and the big CNN/DM target's.
-EAGLE_HEADS = [("cnndm_eagle", "cnndm_target", ()), ("ende_eagle", "ende_target", ()),
-               ("ende_big_eagle", "ende_target_big", ()),
-               ("ende_big_eagle3", "ende_target_big", (1, 4)),
-               ("cnndm_big_eagle", "cnndm_target_big", ())]
+# (EAGLE head, the target it was trained on, its fused layers, whether it has a learned
+# start): the 3.7M targets' heads, the big EnDe target's final-state and EAGLE-3 fused
+# heads, and the big CNN/DM target's.
+EAGLE_HEADS = [("cnndm_eagle", "cnndm_target", (), False),
+               ("ende_eagle", "ende_target", (), False),
+               ("ende_big_eagle", "ende_target_big", (), True),
+               ("ende_big_eagle3", "ende_target_big", (1, 4), True),
+               ("cnndm_big_eagle", "cnndm_target_big", (), False)]
 
 
-@pytest.mark.parametrize("name,target,fused", EAGLE_HEADS, ids=[h for h, _, _ in EAGLE_HEADS])
-def test_demo_eagle_heads_fit_their_targets(name, target, fused):
+@pytest.mark.parametrize("name,target,fused,start", EAGLE_HEADS,
+                         ids=[h[0] for h in EAGLE_HEADS])
+def test_demo_eagle_heads_fit_their_targets(name, target, fused, start):
   head, params = head_checkpoints.load(os.path.join(DEMO, name), kind="eagle", dtype="float32")
   tcfg, _ = checkpoints.load(os.path.join(DEMO, target), dtype="float32")
   head.check_target(t5.T5(tcfg))
   head.check_params(params)
-  assert head.config.fuse_layers == fused
+  assert head.config.fuse_layers == fused and head.has_start == start
 
 
 # (kind, heads, the target they were trained on, how many tokens they propose): Medusa heads
