@@ -119,7 +119,7 @@ EAGLE_HEADS = [("cnndm_eagle", "cnndm_target", (), False),
                ("ende_eagle", "ende_target", (), False),
                ("ende_big_eagle", "ende_target_big", (), True),
                ("ende_big_eagle3", "ende_target_big", (1, 4), True),
-               ("cnndm_big_eagle", "cnndm_target_big", (), False)]
+               ("cnndm_big_eagle", "cnndm_target_big", (), True)]
 
 
 @pytest.mark.parametrize("name,target,fused,start", EAGLE_HEADS,
