@@ -19,13 +19,13 @@ the head's prediction of f_m, the target's state at input s_m.
 
 A row's first iteration (nothing committed yet: the loop's first, or the first after
 the row entered a refilled slot) has no target feature: with a learned start
-(`EagleHead.has_start`) `feature` is the head's own prediction of f_0 and the proposal
-is full; without one its proposal has length 0, so the verify call is a plain target
-step (the verifier accepts nothing and draws s_1 from p at the root); from then on
-every proposal is full. Greedy
-proposals are the LM head's argmax chain with q None; sampled ones draw from
-the adjusted law `ctx.sampling.probs` and return it as q, so the chain
-verifier's rejection sampling stays exact. Unsharded runs only (mesh=None).
+(`EagleHead.has_start`) `feature` is the head's own prediction of f_0 (made in `init`,
+from the row's encoder output) and the proposal is full; without one its proposal has
+length 0, so the verify call is a plain target step (the verifier accepts nothing and
+draws s_1 from p at the root); from then on every proposal is full. Greedy proposals
+are the LM head's argmax chain with q None; sampled ones draw from the adjusted law
+`ctx.sampling.probs` and return it as q, so the chain verifier's rejection sampling
+stays exact. Unsharded runs only (mesh=None).
 
 `EagleTreeDrafter` grows a tree instead (EAGLE-2's dynamic draft tree, built by
 the best-first search of `TreeDrafter` from the head's own scores): every
