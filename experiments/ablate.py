@@ -134,8 +134,7 @@ def sweep(args) -> dict[str, Any]:
   # The cost model charges the verify costs made non-decreasing in N, as the runs' own
   # choice of gamma does (experiment.gamma.choose_gamma): a dip in the measured curve is
   # timing noise, not a cheaper call.
-  fitted = {n - 1: t for n, t in theory.nondecreasing_costs(
-      {g + 1: verify[g] for g in args.gammas}).items()}
+  fitted = theory.nondecreasing_costs({g + 1: verify[g] for g in args.gammas})  # {N: t(N)}
   t_p = step["target_step"]["median"]
   # End-to-end decoding. Each speculative pass is paired with an autoregressive pass just
   # before it (`harness.time_decodes` rounds): this machine's speed drifts by tens of
@@ -165,25 +164,24 @@ def sweep(args) -> dict[str, Any]:
           "c": cm, "c_spread": step["c_rounds"][f"draft_{i}"], "gamma": g, "alpha": a,
           "alpha_observed": st["alpha_observed"],
           "tokens_per_call": st["tokens_per_target_call"], "verify_ratio": verify[g],
-          "verify_ratio_fitted": fitted[g],
+          "verify_ratio_fitted": fitted[g + 1],
           "autoregressive_seconds": float(np.median(t["autoregressive"].seconds)),
           "speculative_seconds": float(np.median(t["speculative"].seconds)),
           "speedup": float(np.median(speedups)), "speedup_spread": harness.spread(speedups),
           "thm38": float(theory.walltime_improvement(a, g, cm)) if ok else None,
-          "cost_model": float(theory.expected_tokens(a, g)) / (g * cm + fitted[g])
+          "cost_model": float(theory.cost_model_improvement(a, g, cm, fitted))
           if ok else None,
           "tokens": st["tokens"], "target_calls": st["target_calls"],
           "setup_model": harness.setup_charged_speedup(
               ar_seconds=float(np.median(t["autoregressive"].seconds)), tokens=st["tokens"],
               target_calls=st["target_calls"], target_step=t_p,
-              iteration_steps=g * cm + fitted[g])})
+              iteration_steps=g * cm + fitted[g + 1])})
   for v_rows in _by_variant(rows).values():
     best = max(v_rows, key=lambda r: r["speedup"])
     a = _mean_alpha(v_rows)
     # The cost model's choice as a run makes it: one alpha for the draft, the fitted costs.
-    cost_gamma = None if math.isnan(a) else max(
-        v_rows, key=lambda r: float(theory.expected_tokens(a, r["gamma"]))
-        / (r["gamma"] * r["c"] + r["verify_ratio_fitted"]))["gamma"]
+    cost_gamma = None if math.isnan(a) else max(v_rows, key=lambda r: float(
+        theory.cost_model_improvement(a, r["gamma"], r["c"], fitted)))["gamma"]
     # How far the measured curve lies from the predicted one (cost model + set-up).
     off = [r["speedup"] / r["setup_model"] - 1.0 for r in v_rows if r["setup_model"]]
     worst = max(off, key=abs) if off else None
