@@ -221,14 +221,47 @@ def test_loss_weights_the_feature_regression_and_the_cross_entropy():
     want = sum(w * (fw * m[f"reg_{j}"] + cw * m[f"ce_{j}"])
                for j, w in ((1, 1.0), (2, 0.5))) / 1.5
     np.testing.assert_allclose(value, want, rtol=1e-5)
-  # A learned start adds its f_0 term at weight 1.
+  # A learned start adds its f_0 term at weight 1 and its first draft's chain (s1, s2),
+  # weighted as the unroll's steps.
   head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, start_feature=True))
   hp = head.init(jax.random.PRNGKey(3))
   value, m = loss(ce_weight=0.1, feature_weight=1.0)
-  assert float(m["reg_0"]) > 0 and "agree_0" in m
+  assert float(m["reg_0"]) > 0 and "agree_0" in m and float(m["reg_s2"]) > 0
   want = sum(w * (m[f"reg_{j}"] + 0.1 * m[f"ce_{j}"])
-             for j, w in ((0, 1.0), (1, 1.0), (2, 0.5))) / 2.5
+             for j, w in (("0", 1.0), ("1", 1.0), ("2", 0.5), ("s1", 1.0), ("s2", 0.5))) / 4
   np.testing.assert_allclose(value, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fuse_layers", [(), (0,)])
+def test_start_chain_is_the_first_draft(fuse_layers):
+  """The loss's start chain (`train.eagle.start_chain`) computes what the drafter computes
+  on a row's first call: teacher-forced on the drafted tokens, its predictions are the
+  drafter's chain of features and their LM-head argmaxes are the drafted tokens."""
+  from spec_decode.decoding.runner import LoopContext
+  from spec_decode.decoding.types import Committed
+  target, tp, enc, *_ = tiny_target_and_split()
+  head = eagle.EagleHead(eagle.EagleConfig.for_target(target.config, start_feature=True,
+                                                      fuse_layers=fuse_layers))
+  hp = head.init(jax.random.PRNGKey(11))
+  gamma = 4
+  ctx = LoopContext(target=target, target_params=tp, draft=head, draft_params=hp,
+                    encoder_tokens=jnp.asarray(enc), draft_encoder_tokens=None,
+                    rng=jax.random.PRNGKey(0), row_ids=jnp.arange(N), max_decode_len=L,
+                    sampling=decoding.Sampling(temperature=0.0))
+  drafter = EagleDrafter()
+  state = drafter.init(ctx, L + gamma + 1)
+  committed = Committed(tokens=jnp.zeros((N, L + gamma + 1), jnp.int32),
+                        length=jnp.zeros((N,), jnp.int32), it=jnp.int32(0))
+  proposal, _ = drafter.propose(ctx, state, committed, jnp.zeros((N, gamma, 2), jnp.uint32),
+                                gamma)
+  drafted = np.asarray(proposal.tokens)
+  assert np.all(np.asarray(proposal.length) == gamma)
+  dec_in = np.concatenate([np.zeros((N, 1), np.int32), drafted], axis=1)
+  chain = train_eagle.start_chain(head, hp, target.encode(tp, enc),
+                                  lambda x: target.embed(tp, x), dec_in, gamma - 1)
+  np.testing.assert_allclose(chain[0][:, 0], state.feature, atol=1e-5)
+  chosen = [np.argmax(np.asarray(target.logits_from_hidden(tp, f))[:, 0], -1) for f in chain]
+  np.testing.assert_array_equal(np.stack(chosen, 1), drafted)
 
 
 @pytest.mark.slow
