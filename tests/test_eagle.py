@@ -227,9 +227,21 @@ def test_loss_weights_the_feature_regression_and_the_cross_entropy():
   hp = head.init(jax.random.PRNGKey(3))
   value, m = loss(ce_weight=0.1, feature_weight=1.0)
   assert float(m["reg_0"]) > 0 and "agree_0" in m and float(m["reg_s2"]) > 0
-  want = sum(w * (m[f"reg_{j}"] + 0.1 * m[f"ce_{j}"])
-             for j, w in (("0", 1.0), ("1", 1.0), ("2", 0.5), ("s1", 1.0), ("s2", 0.5))) / 4
+  term = lambda j: m[f"reg_{j}"] + 0.1 * m[f"ce_{j}"]
+  want = sum(w * term(j) for j, w in (("0", 1.0), ("1", 1.0), ("2", 0.5), ("s1", 1.0),
+                                      ("s2", 0.5))) / 4
   np.testing.assert_allclose(value, want, rtol=1e-5)
+  # first_draft_weight scales the chain's terms; 0 leaves them out (the loss before them).
+  value, _ = loss(ce_weight=0.1, feature_weight=1.0, first_draft_weight=0.5)
+  want = sum(w * term(j) for j, w in (("0", 1.0), ("1", 1.0), ("2", 0.5), ("s1", 0.5),
+                                      ("s2", 0.25))) / 3.25
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  value, m0 = loss(ce_weight=0.1, feature_weight=1.0, first_draft_weight=0.0)
+  assert "reg_s1" not in m0
+  want = sum(w * term(j) for j, w in (("0", 1.0), ("1", 1.0), ("2", 0.5))) / 2.5
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  with pytest.raises(ValueError, match="first_draft_weight"):
+    train_eagle.EagleTrainConfig(first_draft_weight=-1.0)
 
 
 @pytest.mark.parametrize("fuse_layers", [(), (0,)])

@@ -20,11 +20,11 @@ the pair (its start vector, e(s_0)) alone (`EagleHead.start_prediction`), a term
 of weight 1 beside the unroll steps' (normalized with them), and is trained on the
 chain a row's first call drafts from it (`start_chain`): step j = 1 .. k feeds the
 pair (f'_{j-1}, s_j) at position j - 1 over a cache holding only the chain's own
-entries, and asks for f_j (terms 's1' .. 'sk', weighted as the unroll's steps). The
-unroll never shows the head that input: its step-1 queries read true (or, with
-fusion, fused) features and its later steps see the true pairs before them. A fused
-head trained without it accepted 2.4 of the 4 tokens of its first draft on 50 EnDe
-test examples, the final-state head 3.7.
+entries, and asks for f_j (terms 's1' .. 'sk', weighted first_draft_weight times the
+unroll's steps). The unroll never shows the head that input: its step-1 queries read
+true (or, with fusion, fused) features and its later steps see the true pairs before
+them. A fused head trained without it accepted 2.4 of the 4 tokens of its first draft
+on 50 EnDe test examples, the final-state head 3.7 (demo_models/README.md).
 
 EAGLE-1 regresses the target's features (feature_weight 1, ce_weight 0.1 in its
 recipe); EAGLE-3 drops that constraint and trains on the target's next-token laws
@@ -65,12 +65,15 @@ class EagleTrainConfig(HeadTrainConfig):
   unroll: k, the training-time-test steps (1 = EAGLE-1); unroll_decay: the
   weight ratio of step j + 1 to step j; feature_weight and ce_weight: the weights
   of the feature regression and of the cross-entropy against the target's laws
-  (EAGLE-3: 0 and 1).
+  (EAGLE-3: 0 and 1); first_draft_weight: with a learned start, the weight of the
+  first draft's chain terms relative to the unroll's (0: not trained, the loss of the
+  heads trained before it, e.g. cnndm_big_eagle).
   """
   unroll: int = 3
   unroll_decay: float = 0.8
   ce_weight: float = 0.1
   feature_weight: float = 1.0
+  first_draft_weight: float = 1.0
 
   _positive_ints = HeadTrainConfig._positive_ints + ("unroll",)
   _head_config = eagle.EagleConfig
@@ -80,6 +83,7 @@ class EagleTrainConfig(HeadTrainConfig):
     trainer.check_real(self, "unroll_decay", "a number in (0, 1]", lambda v: 0 < v <= 1)
     trainer.check_real(self, "ce_weight", "a finite number >= 0", lambda v: v >= 0)
     trainer.check_real(self, "feature_weight", "a finite number >= 0", lambda v: v >= 0)
+    trainer.check_real(self, "first_draft_weight", "a finite number >= 0", lambda v: v >= 0)
     if self.ce_weight + self.feature_weight == 0:
       raise ValueError("EagleTrainConfig: ce_weight and feature_weight are both 0, so the loss "
                        "is 0 and the head would not train")
@@ -134,7 +138,7 @@ def start_chain(head: eagle.EagleHead, params, encoded, embed_fn, decoder_inputs
   """[k + 1] predictions [B, 1, D] of f_0 .. f_k along a row's first draft: f'_0 from the
   learned start, then step j fed (f'_{j-1}, e(s_j)) at position j - 1 (see the module doc),
   as `EagleDrafter.propose` runs them when nothing is committed yet."""
-  cache = head.init_cache(params, encoded, k)
+  cache = head.init_cache(params, encoded, max(k, 1))  # start_prediction steps in one slot
   feature = head.start_prediction(params, cache, embed_fn(decoder_inputs[:, :1]))[:, None]
   preds = [feature]
   for j in range(1, k + 1):
@@ -144,7 +148,7 @@ def start_chain(head: eagle.EagleHead, params, encoded, embed_fn, decoder_inputs
 
 
 def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unroll_decay: float,
-               ce_weight: float, feature_weight: float = 1.0):
+               ce_weight: float, feature_weight: float = 1.0, first_draft_weight: float = 1.0):
   """(loss, metrics) of one batch; see the module doc."""
   dec_in = batch["decoder_inputs"]
   encoded, hidden, logp = target_features(target, target_params, batch["encoder_tokens"],
@@ -158,10 +162,11 @@ def eagle_loss(head, params, target, target_params, batch, *, unroll: int, unrol
   # 's<j>' the first draft's chain from it (T = 1: query 0 predicts f_j).
   steps = [(str(j), j, pred, unroll_decay ** (j - 1)) for j, pred in enumerate(preds, start=1)]
   if head.has_start:
-    k = min(unroll, dec_in.shape[1] - 1)
+    k = min(unroll, dec_in.shape[1] - 1) if first_draft_weight else 0
     chain = start_chain(head, params, encoded, embed_fn, dec_in, k)
     steps.insert(0, ("0", 0, chain[0], 1.0))
-    steps += [(f"s{j}", j, pred, unroll_decay ** (j - 1)) for j, pred in enumerate(chain[1:], 1)]
+    steps += [(f"s{j}", j, pred, first_draft_weight * unroll_decay ** (j - 1))
+              for j, pred in enumerate(chain[1:], 1)]
   total, norm, metrics = 0.0, 0.0, {}
   for name, j, pred, weight in steps:
     T = pred.shape[1]
@@ -185,7 +190,8 @@ def train(cfg: EagleTrainConfig, **kw) -> HeadTrainResult:
       build=lambda target: eagle.EagleHead(eagle.EagleConfig.for_target(target.config,
                                                                          **dict(cfg.head))),
       loss=functools.partial(eagle_loss, unroll=cfg.unroll, unroll_decay=cfg.unroll_decay,
-                             ce_weight=cfg.ce_weight, feature_weight=cfg.feature_weight),
+                             ce_weight=cfg.ce_weight, feature_weight=cfg.feature_weight,
+                             first_draft_weight=cfg.first_draft_weight),
       describe=lambda m: (f"loss {m['loss']:.4f} reg_1 {m['reg_1']:.4f} agree_1 "
                           f"{m['agree_1']:.3f} agree_{cfg.unroll} "
                           f"{m[f'agree_{cfg.unroll}']:.3f}"
