@@ -247,8 +247,9 @@ def test_loss_weights_the_feature_regression_and_the_cross_entropy():
 @pytest.mark.parametrize("fuse_layers", [(), (0,)])
 def test_start_chain_is_the_first_draft(fuse_layers):
   """The loss's start chain (`train.eagle.start_chain`) computes what the drafter computes
-  on a row's first call: teacher-forced on the drafted tokens, its predictions are the
-  drafter's chain of features and their LM-head argmaxes are the drafted tokens."""
+  on a row's first call: teacher-forced on the drafted tokens, its f'_0 is the drafter's
+  feature and its predictions' LM-head argmaxes are the drafted tokens (final-state and
+  fused heads)."""
   from spec_decode.decoding.runner import LoopContext
   from spec_decode.decoding.types import Committed
   target, tp, enc, *_ = tiny_target_and_split()
