@@ -13,7 +13,9 @@ drafter), the chain from the task's shipped EAGLE head
 its Medusa heads (`Speculative(gamma, drafter=MedusaDrafter())`,
 demo_models/<task>_medusa) and from its DeepSeek-V3-style MTP modules
 (`Speculative(gamma, drafter=MtpDrafter())`, demo_models/<task>_mtp).
-Per decoder: alpha (sum min(p, q) / decisions), tokens per target call, c
+Per decoder: alpha (sum min(p, q) / decisions), tokens per target call (and apart: each
+example's first call, where a head without a learned start proposes nothing, and the later
+ones), c
 (the draft's work per proposed token over one target step, each timed as the
 marginal cost of one more call in a jitted loop), the speedup Theorem 3.8
 predicts from that alpha and c, the measured speedup over the baseline, and
@@ -116,6 +118,8 @@ def run_task(task: str, temperature: float, args) -> list[dict[str, Any]]:
            "tokens_per_target_call": st["tokens_per_target_call"],
            "identical": st["identical"]}
     if algo.drafter is not None:
+      row.update(first_call=st.get("tokens_first_call"),
+                 later_calls=st.get("tokens_per_later_call"))
       alpha, c = st["alpha"], costs["c"][name]
       row.update(alpha=alpha, c=c, gamma=algo.gamma,
                  thm38=(float(theory.walltime_improvement(alpha, algo.gamma, c))
@@ -130,6 +134,8 @@ def _columns():
           Column("temperature", "t", lambda v: fmt(v, 1)),
           Column("decoder", "decoder", str), Column("alpha", "alpha"),
           Column("tokens_per_target_call", "tokens per target call", lambda v: fmt(v, 2)),
+          Column("first_call", "first call", lambda v: fmt(v, 2)),
+          Column("later_calls", "later calls", lambda v: fmt(v, 2)),
           Column("c", "c"), Column("thm38", "Thm 3.8", lambda v: fmt(v, 2, "X")),
           Column("speedup", "measured speedup", lambda v: fmt(v, 2, "X")),
           Column("tokens_per_second", "tokens/s", lambda v: fmt(v, 1)),

@@ -107,6 +107,25 @@ def acceptance(*, accepted, decisions, min_pq_sum, target_calls, lengths) -> dic
   }
 
 
+def first_call_split(*, first_call_tokens, target_calls, lengths) -> dict[str, float]:
+  """A row's first target call apart from its later ones (each argument: per-row counts;
+  rows that made no call are left out): tokens_first_call = mean tokens its first call
+  committed, tokens_per_later_call = the other tokens over the other calls (nan when no row
+  made a second call). A drafter that proposes nothing on a first call (EAGLE or MTP before
+  the target's first features) yields 1 there, and tokens_per_target_call mixes the two."""
+  first, calls, lens = (np.asarray(x, np.float64) for x in (first_call_tokens, target_calls,
+                                                              lengths))
+  made = calls > 0
+  if (first[made] < 1).any() or (first > lens).any() or (first[~made] != 0).any():
+    raise ValueError("inconsistent counters: a row's first call commits 1 .. length tokens, "
+                     "a row that made no call none")
+  later = calls[made].sum() - made.sum()
+  nan = float("nan")
+  return {"tokens_first_call": float(first[made].mean()) if made.any() else nan,
+          "tokens_per_later_call": float((lens[made].sum() - first[made].sum()) / later)
+          if later else nan}
+
+
 def per_position_acceptance(accepted: Sequence[int], reached: Sequence[int]) -> list:
   """Acceptance rate at each draft position (None where never decided).
 

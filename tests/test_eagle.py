@@ -113,8 +113,9 @@ def test_greedy_equals_autoregressive(trained):
   stats = out.stats
   if trained:  # the trained head gets tokens accepted: the acceptance path is exercised
     assert int(np.sum(stats.accepted)) > N
-  # The first call proposes nothing; every later call proposes gamma tokens.
+  # The first call proposes nothing (one token); every later call proposes gamma tokens.
   assert np.all(np.asarray(stats.draft_tokens) == 3 * (np.asarray(stats.target_calls) - 1))
+  np.testing.assert_array_equal(stats.first_call_tokens, 1)
 
 
 def _random_head(target):
@@ -513,6 +514,7 @@ def test_start_head_drafts_from_the_first_call_and_trains():
   plain = decoding.run(_speculative(), target, tp, enc, draft=_setup()[-1].head,
                        draft_params=_setup()[-1].params, max_decode_len=L)
   assert int(np.sum(out.stats.target_calls)) < int(np.sum(plain.stats.target_calls))
+  assert np.mean(out.stats.first_call_tokens) > 1 and np.all(plain.stats.first_call_tokens == 1)
   tree = decoding.run(_tree_speculative(budget=6), target, tp, enc, draft=result.head,
                       draft_params=result.params, max_decode_len=L)
   assert _check_greedy_rows(target, tp, enc, range(N), np.asarray(tree.tokens),

@@ -83,6 +83,7 @@ def test_end_to_end_outputs(greedy_run):
   assert stored["machine"]["cpu"]["model"] == cpu_matmul.cpu_info()["model"]
   assert f"machine: CPU {cpu_matmul.cpu_info()['model']} (" in text
   assert "c " in text and "draft / target time of one single-token decode step" in text
+  assert "tokens per target call" in text and "each example's first call" in text
   gamma = summary["experiment"]["decoders"]["speculative"]["gamma"]
   assert gamma == 4 and summary["experiment"]["task"] == "toy_reverse"
   # Greedy: speculative output equals the autoregressive one, row by row.
@@ -112,6 +113,13 @@ def test_end_to_end_outputs(greedy_run):
   np.testing.assert_allclose(summary["alpha_observed"], summary["alpha_estimated"])  # one-hots
   np.testing.assert_allclose(summary["tokens_per_target_call"],
                              col("length").sum() / col("target_calls").sum())
+  # each row's first call apart: 1 .. gamma + 1 tokens, and the rest over the later calls
+  first = col("first_call_tokens")
+  assert np.all((first >= 1) & (first <= np.minimum(col("length"), gamma + 1)))
+  np.testing.assert_allclose(summary["tokens_first_call"], first.mean())
+  np.testing.assert_allclose(summary["tokens_per_later_call"],
+                             (col("length").sum() - first.sum())
+                             / (col("target_calls").sum() - len(spec)))
   batches = {r["batch"]: r for r in rows}
   assert len(batches) == 3
   t = summary["timing"]

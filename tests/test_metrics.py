@@ -76,6 +76,21 @@ def test_acceptance_statistics():
                        lengths=[1])
 
 
+def test_first_call_split():
+  # rows: 3 calls making 7 tokens (4 on the first), 1 call making 2, no call at all
+  got = metrics.first_call_split(first_call_tokens=[4, 2, 0], target_calls=[3, 1, 0],
+                                 lengths=[7, 2, 0])
+  np.testing.assert_allclose(got["tokens_first_call"], 3.0)
+  np.testing.assert_allclose(got["tokens_per_later_call"], 3 / 2)
+  one_call = metrics.first_call_split(first_call_tokens=[2], target_calls=[1], lengths=[2])
+  assert one_call["tokens_first_call"] == 2.0 and np.isnan(one_call["tokens_per_later_call"])
+  for bad in (dict(first_call_tokens=[0], target_calls=[2], lengths=[3]),
+              dict(first_call_tokens=[4], target_calls=[2], lengths=[3]),
+              dict(first_call_tokens=[1], target_calls=[0], lengths=[0])):
+    with pytest.raises(ValueError, match="inconsistent"):
+      metrics.first_call_split(**bad)
+
+
 def test_identical_fraction():
   assert metrics.identical_fraction([[1, 2], [3], [4, 1]], [[1, 2], [3, 1], [4, 1]]) == 2 / 3
   with pytest.raises(ValueError):

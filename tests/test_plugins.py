@@ -147,7 +147,7 @@ def test_speculative_tree_branch_equals_chain_branch(temperature):
 def test_stats_are_named_counters_sized_by_the_algorithm():
   stats = decoding.Speculative(gamma=5).init_stats(3)
   assert stats.names == ("accepted", "accepted_at", "decided_at", "decisions", "draft_tokens",
-                         "min_pq_sum", "nonfinite_calls", "target_calls")
+                         "first_call_tokens", "min_pq_sum", "nonfinite_calls", "target_calls")
   assert stats.accepted_at.shape == (3, 5) and stats.min_pq_sum.dtype == jnp.float32
   assert decoding.Autoregressive().init_stats(2).names == ("nonfinite_calls", "target_calls")
   bumped = stats.add(accepted=jnp.array([1, 2, 3]))

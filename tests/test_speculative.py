@@ -249,6 +249,7 @@ def test_identical_draft_accepts_everything():
   # gamma + 1 tokens per target call, except in a row's last call.
   np.testing.assert_array_equal(calls, -(-lengths // (g + 1)))
   assert np.any(calls == 1) and np.any(calls == 2)
+  np.testing.assert_array_equal(st.first_call_tokens, np.minimum(lengths, g + 1))
 
 
 @pytest.mark.slow
@@ -259,6 +260,7 @@ def test_disjoint_supports_accept_nothing():
   np.testing.assert_array_equal(st.min_pq_sum, 0.0)
   np.testing.assert_array_equal(st.decisions, st.target_calls)  # one rejection per call
   np.testing.assert_array_equal(st.target_calls, lengths)       # one token per call
+  np.testing.assert_array_equal(st.first_call_tokens, 1)
   produced = np.asarray(result.tokens)[np.arange(s["L"])[None, :] < lengths[:, None]]
   assert set(np.unique(produced)) == {1, 2, 3}  # exactly the target's support
 

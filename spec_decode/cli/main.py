@@ -23,13 +23,15 @@ of this checkout's path>, so checkouts and users never share one):
                      length, its batch's seconds and its named counters
                      (speculative: target_calls, draft_tokens, accepted,
                      decisions, min_pq_sum, accepted_at/decided_at per draft
-                     position; trees also draft_mass_at); appended after every batch
+                     position, first_call_tokens; trees also draft_mass_at);
+                     appended after every batch
   config.json        the experiment's settings (a rerun must match them)
   progress.json      completed / total examples
   results.json       metrics of every decoder (BLEU or ROUGE); per decoder
                      under 'decoders' and for the primary one at the top: identical
                      fraction, alpha (observed and estimated), tokens per
-                     target call, per-position acceptance, step times and c,
+                     target call (and each example's first call apart from
+                     the later ones), per-position acceptance, step times and c,
                      measured speedup and Thm 3.8's prediction, compile times
   table_row.md       the paper's Table 4 header and this run's row
   config.gin         gin's operative config of the run
@@ -173,6 +175,10 @@ def format_summary(summary: dict) -> str:
                  "positions of sum_x min(p, q)"
                  + (f" (fraction actually accepted: {observed:.3f})" if observed is not None
                     else ""))
+  if summary.get("tokens_first_call") is not None:
+    lines.append(f"tokens per target call {summary['tokens_per_target_call']:.2f}: each "
+                 f"example's first call {summary['tokens_first_call']:.2f}, the later ones "
+                 f"{_fmt3(summary.get('tokens_per_later_call'))}")
   if c is not None:
     lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
                  f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "

@@ -38,6 +38,11 @@ class DecodeStats:
                 paper's beta (Cor. 3.6); `min_pq_sum / decisions` estimates alpha.
   accepted_at:  [B, K] how often draft position i (0-based) was accepted.
   decided_at:   [B, K] how often it was decided.
+  first_call_tokens: tokens the row's first target call committed (its first iteration,
+                nothing committed before it; also a row entering a refilled slot): a
+                drafter that proposes nothing before the target's first features
+                (EAGLE and MTP without a learned start) yields 1 there, so
+                `tokens / target_calls` mixes that call with calls that draft.
   draft_mass_at: [B, K] float32, only with drafters that report confidences (trees):
                 summed over target calls, the i-th largest node confidence of the
                 proposal (`Proposal.confidence`); 1 + the sum of its first B

@@ -27,7 +27,7 @@ TABLE_HEADER = ("| task | draft | temp | gamma | alpha | c | predicted | measure
 _ACCEPTANCE = ("accepted", "decisions", "min_pq_sum", "target_calls")
 # The primary decoder's entries repeated at the top level of the results.
 _PRIMARY_KEYS = ("alpha_observed", "alpha_estimated", "tokens_per_target_call",
-                 "accepted_per_target_call", "decisions", "target_calls", "alpha",
+                 "tokens_first_call", "tokens_per_later_call", "accepted_per_target_call", "decisions", "target_calls", "alpha",
                  "per_position_acceptance", "speedup_measured", "identical_fraction",
                  "speedup_predicted", "cost_model_speedup", "expected_tokens_per_call",
                  "optimal_gamma")
@@ -120,6 +120,10 @@ def acceptance_summary(stats: Sequence[Mapping[str, Any]], lengths: Sequence[int
     calls = sum(st["target_calls"] for st in stats)
     d["drafted_per_target_call"] = (sum(st["draft_tokens"] for st in stats) / calls
                                     if calls else float("nan"))
+  if all("first_call_tokens" in st for st in stats):
+    d.update(metrics.first_call_split(
+        first_call_tokens=[st["first_call_tokens"] for st in stats],
+        target_calls=[st["target_calls"] for st in stats], lengths=lengths))
   if "accepted_at" in stats[0]:
     d["per_position_acceptance"] = metrics.per_position_acceptance(
         np.sum([st["accepted_at"] for st in stats], axis=0),

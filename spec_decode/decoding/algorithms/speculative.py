@@ -126,7 +126,8 @@ class Speculative(runner.Algorithm):
     return DecodeStats.zeros(batch_size, target_calls=((), i), nonfinite_calls=((), i),
                              draft_tokens=((), i),
                              accepted=((), i), decisions=((), i), min_pq_sum=((), f),
-                             accepted_at=(K, i), decided_at=(K, i), **extra)
+                             accepted_at=(K, i), decided_at=(K, i),
+                             first_call_tokens=((), i), **extra)
 
   def cost_model(self, *, alpha: float, draft_cost: float, verify_ratio: float,
                  counters=None) -> dict[str, Any] | None:
@@ -249,7 +250,8 @@ class Speculative(runner.Algorithm):
                           draft_tokens=proposal.proposed * a, accepted=n * a,
                           decisions=verdict.decided * a,
                           min_pq_sum=jnp.sum(jnp.where(decided_at, verdict.beta, 0.0), 1),
-                          accepted_at=accepted_at, decided_at=decided_at, **extra)
+                          accepted_at=accepted_at, decided_at=decided_at,
+                          first_call_tokens=jnp.where(m == 0, count, 0), **extra)
       return _State(it=s.it + 1, out=out_tokens, length=new_length, done=done,
                     target_cache=target_cache, draft=draft_state, stats=stats)
 
