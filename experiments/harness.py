@@ -469,19 +469,34 @@ def rows_of(outputs: Sequence, n_rows: int) -> list[dict]:
 
 
 def setup_charged_speedup(*, ar_seconds: float, tokens: float, target_calls: float,
-                          target_step: float, iteration_steps: float) -> float | None:
-  """`experiment.measure.model_work_speedup` for a run that did not time its set-up: the
-  set-up both decoders pay (encoding, cross-attention caches, each call's fixed cost) is
-  estimated as the autoregressive seconds less tokens x T_p (target_step); the speculative
-  decoder then pays it plus target_calls x iteration_steps x T_p (iteration_steps = gamma c
-  + T_verify(gamma + 1) / T_p). Totals or per-example means alike; None without calls."""
+                          target_step: float, iteration_steps: float,
+                          setup: float | None = None, draft_setup: float = 0.0
+                          ) -> float | None:
+  """`experiment.measure.model_work_speedup` of a run from its own autoregressive seconds.
+
+  Without `setup` (a run that did not time its set-up): the set-up both decoders pay
+  (encoding, cross-attention caches, each call's fixed cost) is estimated as the
+  autoregressive seconds less tokens x T_p (target_step); the speculative decoder then pays
+  it plus target_calls x iteration_steps x T_p (iteration_steps = gamma c + T_verify(gamma +
+  1) / T_p). That estimate takes T_p from a timing loop run at another moment than the
+  decode: on a machine whose speed drifts, a T_p timed slow leaves no set-up at all.
+  With the set-up measured (`setup`, the target's; `draft_setup`, the draft model's): the
+  step is the autoregressive decode's own, (ar_seconds - setup) / tokens (T_p where that is
+  not positive), and only the ratios c and T_verify / T_p come from the timing loops: the
+  speculative decoder pays setup + draft_setup + target_calls x iteration_steps x that step.
+  Totals or per-example means alike; None without calls."""
   from spec_decode.experiment import measure
-  if not target_calls or not target_step or not iteration_steps:
+  if not target_calls or not target_step or not iteration_steps or not tokens:
     return None
-  setup = max(ar_seconds - tokens * target_step, 0.0)
+  if setup is None:
+    setup, step = max(ar_seconds - tokens * target_step, 0.0), target_step
+  else:
+    step = (ar_seconds - setup) / tokens
+    step = step if step > 0 else target_step
   return measure.model_work_speedup(
-      target_setup=[setup], draft_setup=[0.0], target_step=target_step, ar_iterations=[tokens],
-      spec_iteration=iteration_steps * target_step, spec_iterations=[target_calls])
+      target_setup=[setup], draft_setup=[draft_setup], target_step=step,
+      ar_iterations=[tokens], spec_iteration=iteration_steps * step,
+      spec_iterations=[target_calls])
 
 
 def decode_stats(outputs: Sequence, n_rows: int, baseline: Sequence | None = None

@@ -309,13 +309,19 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
           "of the target's (gamma+1)-token verify call instead of one step.")
       notes.append(
           "set-up / AR time: each example's set-up (encoding its input, the cross-attention "
-          "cache, a call's fixed cost), which both decoders pay once per example and the "
-          "cost model does not charge, estimated from the run as the autoregressive seconds "
-          "per example less its mean output length x T_p, as a fraction of them. cost model "
-          "+ set-up = AR seconds / (set-up + the speculative decoder's target calls per "
-          "example x (gamma c + T_verify/T_p) T_p): the cost model charging the set-up and "
-          "the calls the run made (a sequence that ends inside a block wastes the rest of "
-          "it). measured / that: what the engine loses beyond the models' work.")
+          "cache), which both decoders pay once per example and the cost model does not "
+          "charge, as a fraction of the autoregressive seconds per example: timed by the run "
+          "(`experiment.measure.example_setup_seconds`, the target's encoder on its first "
+          "batches; the draft model's set-up is charged to the speculative decoder too), or, "
+          "for a run that did not time it, estimated as the autoregressive seconds per "
+          "example less its mean output length x T_p. cost model + set-up = AR seconds / "
+          "(set-up + the speculative decoder's target calls per example x (gamma c + "
+          "T_verify/T_p) x step), step = the autoregressive decode's own seconds per token "
+          "beyond the set-up (T_p with an estimated set-up), so only the ratios c and "
+          "T_verify/T_p come from timing loops run at another moment: the cost model "
+          "charging the set-up and the calls the run made (a sequence that ends inside a "
+          "block wastes the rest of it). measured / that: what the speculative loop loses "
+          "beyond the models' work, against the autoregressive loop's efficiency.")
     if table == 2:
       notes.append("'= baseline': fraction of examples whose speculative output equals the "
                    "autoregressive one token for token (1.00 expected at temp 0; at temp 1 both "
@@ -351,10 +357,14 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
 
 def _setup_charged(entry: dict | None, gamma) -> dict:
   """The cost model charging what it leaves out, from a run's own numbers: each example's
-  set-up (encoding, cross-attention cache, the call's fixed cost), estimated as the
-  autoregressive seconds per example less its tokens x T_p, and the target calls the
-  speculative decoder actually made (a sequence that ends inside a block wastes its rest):
-  AR / (set-up + calls x (gamma c + T_verify / T_p) T_p), and the measured speedup over it."""
+  set-up (encoding, cross-attention cache) and the target calls the speculative decoder
+  actually made (a sequence that ends inside a block wastes its rest): AR / (set-up + calls
+  x (gamma c + T_verify / T_p) x step), and the measured speedup over it
+  (`harness.setup_charged_speedup`). A run that timed its set-up (results.json
+  timing.setup_seconds) charges it as measured, the draft model's too, and the step the
+  autoregressive decode itself took per token; an older run's set-up is estimated as the
+  autoregressive seconds per example less its tokens x T_p, with T_p from the timing loop.
+  setup_measured says which."""
   get = lambda key: _measured(entry, key)
   n, t_p, c, r = (get(k) for k in ("completed", "timing.target_step_seconds", "timing.c",
                                    "timing.verify_ratio"))
@@ -365,12 +375,16 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   if None in (n, t_p, c, r, ar, spec, length, calls, gamma) or not n or not gamma:
     return {}
   ar, spec, calls = ar / n, spec / n, calls / n
+  measured = get("timing.setup_seconds") or {}
+  setup, draft_setup = measured.get("target"), measured.get("draft", 0.0)
   model = harness.setup_charged_speedup(ar_seconds=ar, tokens=length, target_calls=calls,
-                                        target_step=t_p, iteration_steps=gamma * c + r)
+                                        target_step=t_p, iteration_steps=gamma * c + r,
+                                        setup=setup, draft_setup=draft_setup)
   if model is None or not ar or not spec:
     return {}
-  return dict(setup_fraction=max(ar - length * t_p, 0.0) / ar, setup_model=model,
-              setup_efficiency=(ar / spec) / model)
+  fraction = (setup if setup is not None else max(ar - length * t_p, 0.0)) / ar
+  return dict(setup_fraction=fraction, setup_model=model, setup_efficiency=(ar / spec) / model,
+              setup_measured=setup is not None)
 
 
 def orderings(table: int, out: list[dict]) -> list[dict]:

@@ -290,6 +290,7 @@ def test_reproduce_tables_2_to_5_tiny(out):
   np.testing.assert_allclose(run4["cost_model"], theory.expected_tokens(run4["alpha"], 7)
                              / (7 * run4["c"] + run4["verify_ratio"]), rtol=1e-6)
   assert 0.0 <= run4["setup_fraction"] < 1.0 and run4["setup_model"] > 0
+  assert run4["setup_measured"]  # the run timed its set-up
   np.testing.assert_allclose(run4["setup_efficiency"], run4["speed"] / run4["setup_model"],
                              rtol=1e-6)
   small3 = next(r for r in t3 if r["draft"] == "T5-small" and r["target"] == "T5-XXL EnDe")
@@ -392,6 +393,23 @@ def test_peers_tiny(out):
     peers.parse_args(["--target", "t5_1_1_tiny"])
 
 
+def test_setup_charged_speedup_from_a_runs_own_seconds():
+  # 10 s of autoregressive decoding per example, 8 tokens; 3 speculative calls of gamma c +
+  # T_verify / T_p = 2 steps each.
+  kw = dict(ar_seconds=10.0, tokens=8, target_calls=3, iteration_steps=2.0)
+  # Set-up timed (2 s, the draft's 0.5 s): the step is the decode's own, (10 - 2) / 8 = 1 s,
+  # whatever the timing loop said.
+  for t_p in (0.5, 1.0, 1.25):
+    np.testing.assert_allclose(harness.setup_charged_speedup(
+        target_step=t_p, setup=2.0, draft_setup=0.5, **kw), 10.0 / (2.0 + 0.5 + 3 * 2.0))
+  # Not timed: the set-up is 10 - 8 T_p, none at all for a T_p timed slow (1.25 s).
+  np.testing.assert_allclose(harness.setup_charged_speedup(target_step=1.0, **kw),
+                             10.0 / (2.0 + 3 * 2.0))
+  np.testing.assert_allclose(harness.setup_charged_speedup(target_step=1.25, **kw),
+                             10.0 / (3 * 2.0 * 1.25))
+  assert harness.setup_charged_speedup(target_step=1.0, **dict(kw, target_calls=0)) is None
+
+
 @pytest.mark.slow
 def test_heads_on_the_demo_pair(out):
   paths = heads.main(["--tasks", "ende", "--temperatures", "0", "--num_examples", "1",
@@ -406,6 +424,9 @@ def test_heads_on_the_demo_pair(out):
     assert r["identical"] == 1.0 and r["tokens_per_target_call"] >= 1.0
   for r in rows[1:]:
     assert 0.0 <= r["alpha"] <= 1.0 and r["c"] > 0
+    assert 1.0 <= r["first_call"] <= 5  # at most gamma + 1 tokens
+  # the shipped 3.7M-target EAGLE head has no learned start, nor do the MTP modules
+  assert rows[2]["first_call"] == rows[4]["first_call"] == 1.0
   with pytest.raises(SystemExit):
     heads.parse_args(["--tasks", "wmt"])
 

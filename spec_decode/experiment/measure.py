@@ -7,6 +7,8 @@ the same interleaved rounds.
                        driver under experiments/
   measure_step_times   a run's step costs on its first batch, as results.json keeps them
   setup_seconds        a decode call's set-up alone (encoding, cross-attention cache)
+  example_setup_seconds  a run's set-up per example (target, draft model), for its model-work
+                       bound
   fixed_and_per_iteration, model_work_speedup   the engine split of end-to-end calls
   decode_bytes, copy_bandwidth                  a step's memory roofline
 """
@@ -100,13 +102,15 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
 
 
 def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=(),
-                       in_loop: bool = False) -> dict[str, Any]:
+                       in_loop: bool = False, example_setup: bool = False) -> dict[str, Any]:
   """The run's step costs on its first batch (`step_costs`, medians), as results.json keeps
   them: target_step_seconds T_p; per decoder that drafts proposal_seconds[name] and
   c_by_decoder[name]; for the primary decoder draft_step_seconds (its cost per drafted
   token) and c, verify_seconds and verify_ratio (T_verify(K + 1) / T_p);
   verify_ratio_by_tokens[n] for every n measured (see `step_costs`). in_loop: also
-  c_in_loop_by_decoder[name] and the primary's c_in_loop (`step_costs(in_loop=True)`)."""
+  c_in_loop_by_decoder[name] and the primary's c_in_loop (`step_costs(in_loop=True)`).
+  example_setup (unsharded runs): also setup_seconds, the set-up per example
+  (`example_setup_seconds`)."""
   cfg = s.config
   batch = s.examples[:cfg.batch_size]
   enc, _ = setup.inputs(s, batch, rows=cfg.batch_size)  # a refilled loop runs at one batch
@@ -140,6 +144,38 @@ def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=(),
   if K is not None:
     out["verify_seconds"] = costs["verify"][K + 1]["median"]
     out["verify_ratio"] = costs["verify_ratio"][K + 1]
+  if example_setup and s.mesh is None:
+    out["setup_seconds"] = example_setup_seconds(s, cache_length=length, repeats=repeats)
+  return out
+
+
+SETUP_BATCHES = 4  # batches of a run's examples whose set-up `example_setup_seconds` times
+
+
+def example_setup_seconds(s: setup.Setup, *, cache_length: int, repeats: int
+                          ) -> dict[str, float]:
+  """Seconds of set-up per example that a run's decode calls pay (encoding and the
+  cross-attention cache, `setup_seconds`), unsharded: {'target': ..., and 'draft': ... when
+  the draft is a model with its own encoder}, each the mean over the first SETUP_BATCHES
+  batches of the run's examples (at its batch size, as the refill loop encodes entering
+  rows a batch at a time) of a call's median over `repeats`, divided by the batch size.
+  The step costs leave the set-up out; a run's model-work bound charges it
+  (experiments/reproduce.py's Table 4)."""
+  cfg = s.config
+  B = cfg.batch_size
+  batches = [s.examples[i:i + B] for i in range(0, len(s.examples), B)][:SETUP_BATCHES]
+  if not batches:
+    return {}
+  models = {"target": (s.target, s.target_params)}
+  if s.draft is not None and hasattr(s.draft, "encode") and hasattr(s.draft, "init_cache"):
+    models["draft"] = (s.draft, s.draft_params)
+  out = {}
+  for role, (model, params) in models.items():
+    calls = [setup_seconds(model, params, setup.inputs(s, batch, rows=B)[0],
+                           cache_length=cache_length, repeats=repeats,
+                           compiler_options=cfg.compiler_options)["median"]
+             for batch in batches]
+    out[role] = float(np.mean(calls)) / B
   return out
 
 

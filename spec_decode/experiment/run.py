@@ -206,7 +206,8 @@ def _run_experiment(config: ExperimentConfig, *, output_dir: str, show_progress:
     say("measuring the step costs of the target and each decoder's proposal (c)")
     step_times = measure.measure_step_times(
         s, repeats=config.step_timing_repeats,
-        in_loop=config.gamma_choice is not None and config.gamma_choice.in_loop_costs)
+        in_loop=config.gamma_choice is not None and config.gamma_choice.in_loop_costs,
+        example_setup=True)
   if not setup.is_writer():
     return {}
   rows = results.read_rows(path)
