@@ -253,6 +253,7 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
             Column("paper_alpha", "alpha (paper)", a2), Column("alpha", "alpha (ours)", a2)]
     if table == 4:
       cols += [Column("paper_c", "c (paper)", a2), Column("c", "c (ours)", lambda v: fmt(v, 3)),
+               Column("c_in_loop", "c in the loop (ours)", lambda v: fmt(v, 3)),
                Column("paper_predicted", "predicted (paper)", lambda v: fmt(v, 1, "X")),
                Column("predicted", "predicted (ours)", x),
                Column("verify_ratio", "T_verify/T_p (ours)", a2),
@@ -272,12 +273,14 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
       # the autoregressive loop).
       g = get(row, "run", "experiment.decoders.speculative.gamma")
       alpha, c, r = (get(row, "run", k) for k in ("alpha", "timing.c", "timing.verify_ratio"))
-      run_costs = dict(c_run=c, verify_ratio_run=r,
+      c_loop = get(row, "run", "timing.c_in_loop")
+      run_costs = dict(c_run=c, c_in_loop=c_loop, verify_ratio_run=r,
                        predicted_run=get(row, "run", "speedup_predicted"))
+      charged = c_loop if c_loop is not None else c  # what the run's gamma choice charged
       predicted = cost = None
-      if None not in (g, alpha, c, r) and g > 0 and not np.isnan(alpha):
-        predicted = float(theory.walltime_improvement(alpha, g, c))
-        cost = float(theory.expected_tokens(alpha, g)) / (g * c + r)
+      if None not in (g, alpha, charged, r) and g > 0 and not np.isnan(alpha):
+        predicted = float(theory.walltime_improvement(alpha, g, charged))
+        cost = float(theory.expected_tokens(alpha, g)) / (g * charged + r)
       out.append(dict(row.cells, gamma_ours=g, alpha=alpha, cost_model=cost, **run_costs,
                       **_setup_charged(results.get(row.jobs["run"].key), g),
                       alpha_observed=get(row, "run", "alpha_observed"),
@@ -303,6 +306,11 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
           "them (`experiment.measure.step_costs`: the marginal cost of one more single-token "
           "or (gamma+1)-token call in a jitted loop, target and draft timed in the same "
           "interleaved rounds, c the ratio of the medians) on its first batch."
+          " c in the loop (ours): each proposal timed right after a verify call, where the "
+          "decoding loop runs it (the draft's weights read again after the target's went "
+          "through the caches; `GammaChoice.in_loop_costs`, set by the demo run configs); "
+          "the runs' gamma choices charge it, and so do predicted, cost model and cost model "
+          "+ set-up where a run measured it."
           " predicted = Thm 3.8 at the measured alpha and c and gamma (ours); cost model = "
           "E[tokens](alpha, "
           "gamma) / (gamma c + T_verify(gamma+1) / T_p): Thm 3.8 charging the measured cost "
@@ -316,7 +324,9 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
           "for a run that did not time it, estimated as the autoregressive seconds per "
           "example less its mean output length x T_p. cost model + set-up = AR seconds / "
           "(set-up + the speculative decoder's target calls per example x (gamma c + "
-          "T_verify/T_p) x step), step = the autoregressive decode's own seconds per token "
+          "T_verify/T_p) x step), c the run's c in the loop where it measured one (each "
+          "proposal timed after a verify call), step = the autoregressive decode's own "
+          "seconds per token "
           "beyond the set-up (T_p with an estimated set-up), so only the ratios c and "
           "T_verify/T_p come from timing loops run at another moment: the cost model "
           "charging the set-up and the calls the run made (a sequence that ends inside a "
@@ -364,7 +374,8 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   timing.setup_seconds) charges it as measured, the draft model's too, and the step the
   autoregressive decode itself took per token; an older run's set-up is estimated as the
   autoregressive seconds per example less its tokens x T_p, with T_p from the timing loop.
-  setup_measured says which."""
+  setup_measured says which. c is the one measured in the loop (c_in_loop) where the run
+  measured it (`GammaChoice.in_loop_costs`)."""
   get = lambda key: _measured(entry, key)
   n, t_p, c, r = (get(k) for k in ("completed", "timing.target_step_seconds", "timing.c",
                                    "timing.verify_ratio"))
@@ -375,6 +386,7 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   if None in (n, t_p, c, r, ar, spec, length, calls, gamma) or not n or not gamma:
     return {}
   ar, spec, calls = ar / n, spec / n, calls / n
+  c = get("timing.c_in_loop") or c  # the draft's cost where the loop pays it, when measured
   measured = get("timing.setup_seconds") or {}
   setup, draft_setup = measured.get("target"), measured.get("draft", 0.0)
   model = harness.setup_charged_speedup(ar_seconds=ar, tokens=length, target_calls=calls,
