@@ -27,7 +27,8 @@ TABLE_HEADER = ("| task | draft | temp | gamma | alpha | c | predicted | measure
 _ACCEPTANCE = ("accepted", "decisions", "min_pq_sum", "target_calls")
 # The primary decoder's entries repeated at the top level of the results.
 _PRIMARY_KEYS = ("alpha_observed", "alpha_estimated", "tokens_per_target_call",
-                 "tokens_first_call", "tokens_per_later_call", "accepted_per_target_call", "decisions", "target_calls", "alpha",
+                 "tokens_first_call", "tokens_per_later_call", "accepted_per_target_call",
+                 "decisions", "target_calls", "alpha",
                  "per_position_acceptance", "speedup_measured", "identical_fraction",
                  "speedup_predicted", "cost_model_speedup", "expected_tokens_per_call",
                  "optimal_gamma")
