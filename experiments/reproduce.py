@@ -282,7 +282,7 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
         predicted = float(theory.walltime_improvement(alpha, g, charged))
         cost = float(theory.expected_tokens(alpha, g)) / (g * charged + r)
       out.append(dict(row.cells, gamma_ours=g, alpha=alpha, cost_model=cost, **run_costs,
-                      **_setup_charged(results.get(row.jobs["run"].key), g),
+                      **_setup_charged(results.get(row.jobs["run"].key), g, charged),
                       alpha_observed=get(row, "run", "alpha_observed"),
                       c=c, predicted=predicted, verify_ratio=r,
                       speed=get(row, "run", "speedup_measured"),
@@ -365,7 +365,7 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
   return cols, out, notes
 
 
-def _setup_charged(entry: dict | None, gamma) -> dict:
+def _setup_charged(entry: dict | None, gamma, c) -> dict:
   """The cost model charging what it leaves out, from a run's own numbers: each example's
   set-up (encoding, cross-attention cache) and the target calls the speculative decoder
   actually made (a sequence that ends inside a block wastes its rest): AR / (set-up + calls
@@ -374,11 +374,11 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   timing.setup_seconds) charges it as measured, the draft model's too, and the step the
   autoregressive decode itself took per token; an older run's set-up is estimated as the
   autoregressive seconds per example less its tokens x T_p, with T_p from the timing loop.
-  setup_measured says which. c is the one measured in the loop (c_in_loop) where the run
-  measured it (`GammaChoice.in_loop_costs`)."""
+  setup_measured says which. c: the draft's cost the run's gamma choice charged (its c in
+  the loop where it measured one, `GammaChoice.in_loop_costs`)."""
   get = lambda key: _measured(entry, key)
-  n, t_p, c, r = (get(k) for k in ("completed", "timing.target_step_seconds", "timing.c",
-                                   "timing.verify_ratio"))
+  n, t_p, r = (get(k) for k in ("completed", "timing.target_step_seconds",
+                                "timing.verify_ratio"))
   ar, spec = get("timing.autoregressive_seconds"), get("timing.speculative_seconds")
   length = get("mean_output_length")
   length = length.get("autoregressive") if isinstance(length, dict) else length
@@ -386,7 +386,6 @@ def _setup_charged(entry: dict | None, gamma) -> dict:
   if None in (n, t_p, c, r, ar, spec, length, calls, gamma) or not n or not gamma:
     return {}
   ar, spec, calls = ar / n, spec / n, calls / n
-  c = get("timing.c_in_loop") or c  # the draft's cost where the loop pays it, when measured
   measured = get("timing.setup_seconds") or {}
   setup, draft_setup = measured.get("target"), measured.get("draft", 0.0)
   model = harness.setup_charged_speedup(ar_seconds=ar, tokens=length, target_calls=calls,

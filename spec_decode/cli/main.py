@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import getpass
 import hashlib
+import math
 import os
 import stat
 import tempfile
@@ -176,9 +177,11 @@ def format_summary(summary: dict) -> str:
                  + (f" (fraction actually accepted: {observed:.3f})" if observed is not None
                     else ""))
   if summary.get("tokens_first_call") is not None:
+    later = summary.get("tokens_per_later_call")
+    later = "n/a" if later is None or math.isnan(later) else f"{later:.2f}"
     lines.append(f"tokens per target call {summary['tokens_per_target_call']:.2f}: each "
                  f"example's first call {summary['tokens_first_call']:.2f}, the later ones "
-                 f"{_fmt3(summary.get('tokens_per_later_call'))}")
+                 f"{later}")
   if c is not None:
     lines.append(f"c {c:.3f}: draft / target time of one single-token decode step "
                  f"({timing.get('draft_step_seconds', 0) * 1e3:.2f} ms / "

@@ -16,6 +16,7 @@ the same interleaved rounds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -169,17 +170,28 @@ def example_setup_seconds(s: setup.Setup, *, cache_length: int, repeats: int
   models = {"target": (s.target, s.target_params)}
   if s.draft is not None and hasattr(s.draft, "encode") and hasattr(s.draft, "init_cache"):
     models["draft"] = (s.draft, s.draft_params)
+  encoder_tokens = [setup.inputs(s, batch, rows=B)[0] for batch in batches]
   out = {}
   for role, (model, params) in models.items():
-    calls = [setup_seconds(model, params, setup.inputs(s, batch, rows=B)[0],
-                           cache_length=cache_length, repeats=repeats,
-                           compiler_options=cfg.compiler_options)["median"]
-             for batch in batches]
+    calls = [setup_seconds(model, params, tokens, cache_length=cache_length,
+                           repeats=repeats, compiler_options=cfg.compiler_options)["median"]
+             for tokens in encoder_tokens]
     out[role] = float(np.mean(calls)) / B
   return out
 
 
 # ------------------------------------------------------------------ engine and roofline
+@functools.lru_cache(maxsize=16)
+def _setup_call(model, cache_length: int, options: tuple):
+  """`model`'s set-up (encode, then its cross-attention cache), jitted once per model, cache
+  length and XLA options, so that timing several batches compiles each input shape once."""
+  def call(params, tokens, index):
+    encoded = (model.encode(params, tokens) if index is None
+               else model.encode(params, tokens, packed_index=index))
+    return model.init_cache(params, encoded, cache_length)
+  return jax.jit(call, compiler_options=dict(options) or None)
+
+
 def setup_seconds(model, params, encoder_tokens, *, cache_length: int, repeats: int = 10,
                   compiler_options=None) -> dict[str, float]:
   """Seconds of a decode call's set-up for `model` alone: encoding `encoder_tokens` and
@@ -189,10 +201,7 @@ def setup_seconds(model, params, encoder_tokens, *, cache_length: int, repeats: 
   tokens = runner.trim_padding(np.asarray(encoder_tokens))
   index = runner.pack_index(model, tokens)
   params = base.decoding_params(model, params)
-  options = dict(compile_options.resolve(compiler_options))
-  encode = lambda p, e, i: model.encode(p, e) if i is None else model.encode(p, e, packed_index=i)
-  fn = jax.jit(lambda p, e, i: model.init_cache(p, encode(p, e, i), cache_length),
-               compiler_options=options or None)
+  fn = _setup_call(model, cache_length, compile_options.resolve(compiler_options))
   t = timing.timed(lambda: fn(params, tokens, index), repeats=repeats, warmup=2)
   return timing.spread(t.seconds)
 
