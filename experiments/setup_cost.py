@@ -1,24 +1,36 @@
-r"""What each example's set-up costs, with and without skipping the input's padding rows.
+r"""What each example's set-up costs under the ways the project can run it.
 
   python -m experiments.setup_cost                       # the big demo targets, EnDe and CNN/DM
   python -m experiments.setup_cost --tasks ende --num_examples 100
+  python -m experiments.setup_cost --settings every_row,real_rows,bfloat16_dot
 
 Every decode call first runs the set-up both decoders pay once per example: the encoder on
-the input and the cross-attention K/V of every decoder layer. A decode call runs its input
-at a power-of-two length bucket (`decoding.runner.length_bucket`: one compile per bucket),
-and the CPU kernel multiplies only the rows up to the last real token
-(`t5.SKIP_PADDING_ROWS`, `cpu_matmul.matmul(rows=)`): the padding up to the bucket is
-masked everywhere, so its products are skipped, not computed. This measures the set-up of
-each example of a task's test split at batch 1, as `decoding.run` trims it, with the
-skipping on and off: one compiled program per bucket and setting, compiled before timing,
-the settings taking turns over `--rounds` rounds (the order reversed every other round).
-Reports the mean real length and bucket, the milliseconds per example of both settings
-(median over rounds), and their ratio. Writes <results_dir>/setup_cost.{md,csv,json}.
+the input and the cross-attention K/V of every decoder layer. It multiplies all of the
+input's rows by each weight at once, so it is bound by the CPU's multiply-adds, where a
+decode step is bound by reading the weights. The settings (`SETTINGS`):
+- real_rows (the default model): a decode call runs its input at a power-of-two length
+  bucket (`decoding.runner.length_bucket`: one compile per bucket) and the CPU kernel
+  multiplies only the rows up to the last real token (`t5.SKIP_PADDING_ROWS`,
+  `cpu_matmul.matmul(rows=)`);
+- every_row: the padding rows up to the bucket multiplied too (the behaviour before the
+  kernel took a row count; the real tokens' states are the same bits);
+- bfloat16_dot: the set-up's weights packed for AVX512-BF16 dot products
+  (`T5.setup_kernel_weights` / `ModelSpec.setup_kernel_weights`: activations rounded to
+  bfloat16, float32 sums, twice the multiply-adds per instruction), which changes the
+  encoder's states: the table gives their largest difference from real_rows', relative to
+  the largest state (real tokens; padding states are masked downstream). Left out, with a
+  note, on a CPU without AVX512-BF16.
+Each example of a task's test split at batch 1, as `decoding.run` trims it: one compiled
+program per bucket and setting, compiled before timing, the settings taking turns over
+`--rounds` rounds (the order reversed every other round). Reports the mean real length and
+bucket, the milliseconds per example of each setting (median over rounds) and its speedup
+against real_rows. Writes <results_dir>/setup_cost.{md,csv,json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -27,60 +39,93 @@ from experiments.harness import Column, fmt
 
 TASKS = {"ende": ("synthetic_ende", "demo:ende_target_big", 32),
          "cnndm": ("synthetic_cnndm", "demo:cnndm_target_big", 320)}
+# setting -> (t5.SKIP_PADDING_ROWS, T5.setup_kernel_weights)
+SETTINGS = {"real_rows": (True, "same"), "every_row": (False, "same"),
+            "bfloat16_dot": (True, "bfloat16_dot")}
+BASE = "real_rows"
 
 
-def measure(args) -> list[dict[str, Any]]:
+def measure(args) -> tuple[list[dict[str, Any]], list[str]]:
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from spec_decode.decoding import runner
+  from spec_decode.kernels import cpu_matmul
   from spec_decode.models import t5
+  settings = list(args.settings)
+  notes = []
+  if "bfloat16_dot" in settings and not cpu_matmul.has_bfloat16_dot():
+    settings.remove("bfloat16_dot")
+    notes.append(f"bfloat16_dot left out: this CPU ({cpu_matmul.cpu_info()['model']}) has "
+                 "no AVX512-BF16.")
   rows = []
   for name in args.tasks:
     task, target, input_length = TASKS[name]
     models = harness.load_models(target)
-    model = models.target
-    params = model.decode_params(models.target_params)
     inputs = harness.task_inputs(task, split="test", num_examples=args.num_examples,
                                  input_length=input_length, decode_len=args.decode_len)
     tokens = [jnp.asarray(runner.trim_padding(inputs[i:i + 1])) for i in range(len(inputs))]
-    set_up = lambda p, t: model.init_cache(p, model.encode(p, t), args.decode_len)
-    compiled = {}
-    for skip in (True, False):
+    compiled, states = {}, {}
+    for setting in settings:
+      skip, weights = SETTINGS[setting]
+      model = dataclasses.replace(models.target, setup_kernel_weights=weights)
+      params = model.decode_params(models.target_params)
+      set_up = lambda p, t, model=model: model.init_cache(
+          p, model.encode(p, t), args.decode_len)
       with t5.switched(SKIP_PADDING_ROWS=skip):  # compiled with this setting
-        compiled[skip] = {t.shape: jax.jit(set_up).lower(params, t).compile()
-                          for t in {t.shape: t for t in tokens}.values()}
-    for fns in compiled.values():  # warm-up
+        fns = {t.shape: jax.jit(set_up).lower(params, t).compile()
+               for t in {t.shape: t for t in tokens}.values()}
+        encode = jax.jit(model.encode)
+        # the real tokens' states (the padding's are masked everywhere downstream)
+        states[setting] = [np.asarray(encode(params, t).hidden)[np.asarray(t) > 0]
+                           for t in tokens]
+      compiled[setting] = (fns, params)
+    for fns, params in compiled.values():  # warm-up
       for t in tokens:
         jax.block_until_ready(fns[t.shape](params, t))
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[str, list[float]] = {s: [] for s in settings}
     for r in range(args.rounds):
-      for skip in ((True, False) if r % 2 == 0 else (False, True)):
-        fns = compiled[skip]
+      for setting in (settings if r % 2 == 0 else settings[::-1]):
+        fns, params = compiled[setting]
         start = time.perf_counter()
         for t in tokens:
           jax.block_until_ready(fns[t.shape](params, t))
-        times[skip].append((time.perf_counter() - start) / len(tokens))
+        times[setting].append((time.perf_counter() - start) / len(tokens))
     real = (inputs > 0).sum(axis=1)
-    skip_ms, all_ms = (1e3 * float(np.median(times[s])) for s in (True, False))
-    row = {"task": task, "target": target, "examples": len(tokens),
-           "real_length": float(real.mean()),
-           "bucket": float(np.mean([t.shape[1] for t in tokens])),
-           "all_ms": all_ms, "skip_ms": skip_ms, "ratio": all_ms / skip_ms,
-           "rounds_ms": {"skip": [1e3 * x for x in times[True]],
-                         "all": [1e3 * x for x in times[False]]}}
-    rows.append(row)
-    print(f"{task}: inputs {row['real_length']:.1f} tokens in buckets of "
-          f"{row['bucket']:.1f}: set-up {all_ms:.2f} ms every row, {skip_ms:.2f} ms real rows "
-          f"only ({row['ratio']:.2f}X)", flush=True)
-  return rows
+    ms = {s: 1e3 * float(np.median(times[s])) for s in settings}
+    for setting in settings:
+      ref = states.get(BASE)
+      diff = None if ref is None else max(
+          float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(states[setting], ref))
+      row = {"task": task, "target": target, "setting": setting, "examples": len(tokens),
+             "real_length": float(real.mean()),
+             "bucket": float(np.mean([t.shape[1] for t in tokens])),
+             "ms": ms[setting], "speedup": ms[BASE] / ms[setting] if BASE in ms else None,
+             "state_difference": diff,
+             "rounds_ms": [1e3 * x for x in times[setting]]}
+      rows.append(row)
+      print(f"{task}, {setting}: inputs {row['real_length']:.1f} tokens in buckets of "
+            f"{row['bucket']:.1f}: set-up {ms[setting]:.2f} ms per example"
+            + ("" if row["speedup"] is None else f" ({row['speedup']:.2f}X against {BASE})"),
+            flush=True)
+  return rows, notes
+
+
+def _settings(parser: argparse.ArgumentParser, text: str) -> list[str]:
+  out = [s for s in text.split(",") if s]
+  unknown = [s for s in out if s not in SETTINGS]
+  if unknown or not out or len(set(out)) != len(out):
+    parser.error(f"--settings must name some of {sorted(SETTINGS)}, each once; got {text!r}")
+  return out
 
 
 def parse_args(argv: Sequence[str]):
   p = argparse.ArgumentParser(prog="python -m experiments.setup_cost", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", default="ende,cnndm", help=f"comma list of {sorted(TASKS)}")
+  p.add_argument("--settings", default="real_rows,every_row,bfloat16_dot",
+                 help=f"comma list of {sorted(SETTINGS)}")
   p.add_argument("--num_examples", type=int, default=40)
   p.add_argument("--decode_len", type=int, default=48, help="cache slots of the set-up")
   p.add_argument("--rounds", type=int, default=6)
@@ -90,29 +135,33 @@ def parse_args(argv: Sequence[str]):
   unknown = [t for t in args.tasks if t not in TASKS]
   if unknown or not args.tasks:
     p.error(f"--tasks must name some of {sorted(TASKS)}, got {unknown or 'none'}")
+  args.settings = _settings(p, args.settings)
   if min(args.num_examples, args.decode_len, args.rounds) < 1:
     p.error("--num_examples, --decode_len and --rounds must be >= 1")
   return args
 
 
 def run(args, meta) -> harness.Output:
-  rows = measure(args)
-  cols = [Column("task", "task"), Column("target", "target"), Column("examples", "examples"),
+  rows, notes = measure(args)
+  cols = [Column("task", "task"), Column("target", "target"), Column("setting", "setting"),
+          Column("examples", "examples"),
           Column("real_length", "mean input tokens", lambda v: fmt(v, 1)),
           Column("bucket", "mean bucket", lambda v: fmt(v, 1)),
-          Column("all_ms", "set-up, every row", lambda v: f"{v:.2f} ms"),
-          Column("skip_ms", "set-up, real rows only", lambda v: f"{v:.2f} ms"),
-          Column("ratio", "speedup", lambda v: f"{v:.2f}X")]
+          Column("ms", "set-up per example", lambda v: f"{v:.2f} ms"),
+          Column("speedup", f"speedup against {BASE}", lambda v: fmt(v, 2, "X")),
+          Column("state_difference", "encoder states: max difference / max state",
+                 lambda v: "" if v is None else f"{v:.1e}")]
   notes = [f"Batch 1, each example's input trimmed to its power-of-two bucket as "
            f"`decoding.run` does; set-up = encoder + cross-attention K/V of every decoder "
            f"layer ({args.decode_len} cache slots); milliseconds per example, median over "
            f"{args.rounds} interleaved rounds, compilation excluded.",
-           "'every row': the kernel multiplies the padding rows up to the bucket too (the "
-           "behaviour before the kernel took a row count); 'real rows only': up to the last "
-           "real token (`t5.SKIP_PADDING_ROWS`, the default). The states of real tokens are "
-           "the same bits either way (tests/test_cpu_matmul.py)."]
-  return harness.Output("setup_cost", "Set-up per example, skipping padding rows or not",
-                        cols, rows, notes)
+           "real_rows: the kernel multiplies the rows up to the last real token "
+           "(`t5.SKIP_PADDING_ROWS`, the default); every_row: the padding rows up to the "
+           "bucket too (the same bits for the real tokens); bfloat16_dot: the set-up's "
+           "weights as AVX512-BF16 dot products (`setup_kernel_weights='bfloat16_dot'`), "
+           "which changes the encoder's states by the difference shown."] + notes
+  return harness.Output("setup_cost", "Set-up per example under each setting", cols, rows,
+                        notes)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

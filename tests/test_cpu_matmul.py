@@ -423,6 +423,17 @@ def test_model_spec_kernel_weights(pack_small, tmp_path):
     model_specs.ModelSpec(checkpoint=path, kernel_weights="fp8")
   with pytest.raises(ValueError, match="'ngram' model has no such weights"):
     model_specs.ModelSpec(kind="ngram", kernel_weights="int8")
+  # setup_kernel_weights the same way, recorded only when not 'same'
+  spec = model_specs.ModelSpec(checkpoint=path, setup_kernel_weights="bfloat16_dot_if_supported")
+  loaded, _ = model_specs.load(spec, model_specs.LoadContext("target"))
+  assert loaded.setup_kernel_weights == "bfloat16_dot_if_supported"
+  assert spec.to_json()["setup_kernel_weights"] == "bfloat16_dot_if_supported"
+  assert plain.setup_kernel_weights == "same"
+  assert "setup_kernel_weights" not in model_specs.ModelSpec(checkpoint=path).to_json()
+  with pytest.raises(ValueError, match="setup_kernel_weights must be one of"):
+    model_specs.ModelSpec(checkpoint=path, setup_kernel_weights="fp8")
+  with pytest.raises(ValueError, match="'ngram' model has no such weights"):
+    model_specs.ModelSpec(kind="ngram", setup_kernel_weights="bfloat16_dot")
 
 
 @needs_kernel
@@ -551,6 +562,62 @@ def test_t5_bfloat16_dot_weights(pack_small):
   # bfloat16 activations: errors of bfloat16's 8-bit mantissa, compounded over the layers
   np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max())
   assert np.abs(got - ref).max() > 0  # a different function than the float32 model
+
+
+def _pairs_by_part(packed):
+  """{(part, name): pairs} of a packed tree's layer-0 kernels, part 'encoder' / 'decoder'."""
+  out = {}
+  for part in ("encoder", "decoder"):
+    for block, tree in packed[part]["layers_0"].items():
+      if not isinstance(tree, dict):
+        continue
+      for name, leaf in tree.items():
+        if isinstance(leaf, dict) and hasattr(leaf.get("kernel"), "pairs"):
+          out[(part, f"{block}/{name}")] = bool(leaf["kernel"].pairs)
+  return out
+
+
+@needs_kernel
+def test_t5_setup_kernel_weights(pack_small, monkeypatch):
+  """`setup_kernel_weights` packs only the kernels the set-up multiplies by (the encoder's,
+  the cross-attention key/value) its own way: decode steps from a given cache are the
+  bits of the model without it, the encoder's states a bfloat16 rounding of them."""
+  model, params = _mini()
+  with pytest.raises(ValueError, match="setup_kernel_weights must be one of"):
+    t5.T5(model.config, setup_kernel_weights="bfloat16x")
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 2, 100)
+  same = t5.T5(model.config, setup_kernel_weights="same").decode_params(params)
+  jax.tree.map(np.testing.assert_array_equal, same, model.decode_params(params))
+  if not cpu_matmul.has_bfloat16_dot():
+    with pytest.raises(ValueError, match="setup_kernel_weights='bfloat16_dot' needs a CPU"):
+      t5.T5(model.config, setup_kernel_weights="bfloat16_dot").decode_params(params)
+    return
+  setup = t5.T5(model.config, setup_kernel_weights="bfloat16_dot")
+  packed = setup.decode_params(params)
+  pairs = _pairs_by_part(packed)
+  on = {k for k, v in pairs.items() if v}
+  assert on == {k for k in pairs if k[0] == "encoder"} | {
+      ("decoder", "encoder_decoder_attention/kv_joined")}, pairs
+  assert ("decoder", "self_attention/qkv_joined") in pairs  # packed, as the decode weights
+  # The set-up is a different function (bfloat16 activations), within bfloat16's rounding:
+  got = np.asarray(setup.encode(packed, enc).hidden)
+  ref = np.asarray(model.encode(params, enc).hidden)
+  np.testing.assert_allclose(got, ref, atol=0.1 * np.abs(ref).max())
+  assert np.abs(got - ref).max() > 0
+  # ... and the decode steps the same bits as the model's from the same cache.
+  cache = model.init_cache(model.decode_params(params), model.encode(params, enc), 8)
+  np.testing.assert_array_equal(
+      np.asarray(setup.decode(packed, cache, dec).logits),
+      np.asarray(model.decode(model.decode_params(params), cache, dec).logits))
+  # Where the CPU has no AVX512-BF16, 'bfloat16_dot_if_supported' packs as 'same'.
+  anywhere = t5.T5(model.config, setup_kernel_weights="bfloat16_dot_if_supported")
+  assert _pairs_by_part(anywhere.decode_params(params)) == pairs
+  monkeypatch.setattr(cpu_matmul, "has_bfloat16_dot", lambda: False)
+  fresh = jax.tree.map(lambda x: x + 0, params)  # another tree: packed again
+  assert not any(_pairs_by_part(anywhere.decode_params(fresh)).values())
+  with pytest.raises(ValueError, match="setup_kernel_weights='bfloat16_dot' needs a CPU"):
+    setup.decode_params(fresh)
 
 
 @needs_kernel

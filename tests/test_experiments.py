@@ -650,18 +650,31 @@ def test_verify_scaling_tiny(out):
 
 @pytest.mark.slow
 def test_setup_cost_ende(out):
-  """Both settings timed on the big demo EnDe target; the skipping switch is on again after."""
+  """Each setting timed on the big demo EnDe target; the padding rows' switch is on again
+  after; skipping padding rows changes no state, bfloat16 dot products do (where the CPU
+  has them)."""
+  from spec_decode.kernels import cpu_matmul
   from spec_decode.models import t5
   paths = setup_cost.main(["--tasks", "ende", "--num_examples", "3", "--rounds", "1",
                            "--results_dir", out["results"]])
-  (row,) = _json(paths["json"])["rows"]
-  assert row["task"] == "synthetic_ende" and row["examples"] == 3
-  assert 1 <= row["real_length"] <= row["bucket"] <= 32
-  assert row["all_ms"] > 0 and row["skip_ms"] > 0
-  assert row["ratio"] == pytest.approx(row["all_ms"] / row["skip_ms"])
+  rows = {r["setting"]: r for r in _json(paths["json"])["rows"]}
+  dot = cpu_matmul.has_bfloat16_dot()
+  assert set(rows) == {"real_rows", "every_row"} | ({"bfloat16_dot"} if dot else set())
+  for row in rows.values():
+    assert row["task"] == "synthetic_ende" and row["examples"] == 3
+    assert 1 <= row["real_length"] <= row["bucket"] <= 32
+    assert row["ms"] > 0
+    assert row["speedup"] == pytest.approx(rows["real_rows"]["ms"] / row["ms"])
+  assert rows["real_rows"]["state_difference"] == rows["every_row"]["state_difference"] == 0
+  if dot:
+    assert 0 < rows["bfloat16_dot"]["state_difference"] < 0.1
+  else:
+    assert "no AVX512-BF16" in open(paths["md"]).read()
   assert t5.SKIP_PADDING_ROWS
-  with pytest.raises(SystemExit):
-    setup_cost.main(["--tasks", "wmt", "--results_dir", out["results"]])
+  for bad in (["--tasks", "wmt"], ["--settings", "real_rows,fp8"],
+              ["--settings", "real_rows,real_rows"]):
+    with pytest.raises(SystemExit):
+      setup_cost.main(bad + ["--results_dir", out["results"]])
 
 
 @pytest.mark.slow

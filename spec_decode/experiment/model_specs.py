@@ -72,6 +72,10 @@ class ModelSpec:
     instruction for compute-bound batches on CPUs with AVX512-BF16). Every decoder of the
     experiment uses the same model, so their comparison stays exact. Recorded when not
     'auto'.
+  setup_kernel_weights: t5 only: `T5.setup_kernel_weights`, the same for the weights only
+    each example's set-up multiplies by (the encoder's, the cross-attention key/value):
+    'same' (default), one of the above, or 'bfloat16_dot_if_supported'. Recorded when not
+    'same'.
   """
   kind: str = "t5"
   checkpoint: str | None = None
@@ -85,6 +89,7 @@ class ModelSpec:
   allow_outside_paths: bool = False
   offload: bool = False
   kernel_weights: str = "auto"
+  setup_kernel_weights: str = "same"
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or not self.kind:
@@ -113,10 +118,14 @@ class ModelSpec:
     if self.kernel_weights not in cpu_matmul.WEIGHTS:
       raise ValueError(f"ModelSpec.kernel_weights must be one of {cpu_matmul.WEIGHTS}, got "
                        f"{self.kernel_weights!r}")
-    if self.kernel_weights != "auto" and self.kind != "t5":
-      raise ValueError(f"ModelSpec.kernel_weights sets how a T5's weights are packed for the "
-                       f"CPU decoding kernel; a {self.kind!r} model has no such weights "
-                       "(leave it 'auto')")
+    if self.setup_kernel_weights not in t5.SETUP_WEIGHTS:
+      raise ValueError(f"ModelSpec.setup_kernel_weights must be one of {t5.SETUP_WEIGHTS}, "
+                       f"got {self.setup_kernel_weights!r}")
+    for name, default in (("kernel_weights", "auto"), ("setup_kernel_weights", "same")):
+      if getattr(self, name) != default and self.kind != "t5":
+        raise ValueError(f"ModelSpec.{name} sets how a T5's weights are packed for the CPU "
+                         f"decoding kernel; a {self.kind!r} model has no such weights "
+                         f"(leave it {default!r})")
     object.__setattr__(self, "config", dict(self.config))
     object.__setattr__(self, "options", dict(self.options))
 
@@ -138,6 +147,8 @@ class ModelSpec:
         del d[name]  # recorded only when set, so older runs' config.json still match
     if d["kernel_weights"] == "auto":
       del d["kernel_weights"]
+    if d["setup_kernel_weights"] == "same":
+      del d["setup_kernel_weights"]
     return d
 
 
@@ -258,10 +269,11 @@ def _load_t5(spec: ModelSpec, context: LoadContext) -> tuple[t5.T5, dict]:
 
 
 def _offloaded(spec: ModelSpec, model: t5.T5, params) -> tuple[t5.T5, dict]:
-  """(model, params) as loaded, with the spec's `kernel_weights`, and streamed from host
+  """(model, params) as loaded, with the spec's kernel weights, and streamed from host
   memory when `spec.offload` (a checkpoint is read there directly: `to_host` then copies
   nothing)."""
-  model = dataclasses.replace(model, kernel_weights=spec.kernel_weights)
+  model = dataclasses.replace(model, kernel_weights=spec.kernel_weights,
+                              setup_kernel_weights=spec.setup_kernel_weights)
   if not spec.offload:
     return model, params
   return dataclasses.replace(model, stream_params=True), offload.to_host(params)

@@ -463,10 +463,19 @@ class T5(base.ParamSpecs):
     column scales) or 'bfloat16_dot' (bfloat16 weights and activations in AVX512-BF16 dot
     products, float32 sums: twice the multiply-adds per instruction, for compute-bound
     batches). The last three change the model's function; see `cpu_matmul.pack`.
+  setup_kernel_weights: the same for the weights only the per-example set-up multiplies by
+    (every encoder layer's, and each decoder layer's cross-attention key/value: `encode`
+    and `init_cache`), which multiply a whole input of rows at once, so are bound by the
+    CPU's multiply-adds, not by reading the weights as a decode step is: 'same' (default:
+    as `kernel_weights`), one of `kernel_weights`' settings, or 'bfloat16_dot_if_supported'
+    ('bfloat16_dot' on a CPU with AVX512-BF16, else 'same'; for configs that run
+    anywhere). Anything but 'same' changes the model's function (the encoder's states);
+    every decoder of an experiment uses the same model, so their comparison stays exact.
   """
   config: T5Config
   stream_params: bool = False
   kernel_weights: str = "auto"
+  setup_kernel_weights: str = "same"
   supports_packed_encoding = True  # encode(packed_index=): see `base.packing_index`
 
   def __post_init__(self):
@@ -475,6 +484,9 @@ class T5(base.ParamSpecs):
     if self.kernel_weights not in cpu_matmul.WEIGHTS:
       raise ValueError(f"T5.kernel_weights must be one of {cpu_matmul.WEIGHTS}, got "
                        f"{self.kernel_weights!r}")
+    if self.setup_kernel_weights not in SETUP_WEIGHTS:
+      raise ValueError(f"T5.setup_kernel_weights must be one of {SETUP_WEIGHTS}, got "
+                       f"{self.setup_kernel_weights!r}")
 
   @property
   def vocab_size(self) -> int:
@@ -922,18 +934,28 @@ class T5(base.ParamSpecs):
         or not cpu_matmul.available()):
       return params
     return _PACKED.get(params, functools.partial(self._pack, threshold=threshold),
-                       tag=self.kernel_weights)
+                       tag=(self.kernel_weights, self.setup_kernel_weights))
 
   def _pack(self, params, threshold: int):
     weights = self.kernel_weights
-    if weights == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
-      info = cpu_matmul.cpu_info()
-      raise ValueError(f"T5.kernel_weights='bfloat16_dot' needs a CPU with AVX512-BF16; "
-                       f"this one ({info['model']}) has {', '.join(info['features'])}")
     if weights == "auto":
       weights = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    setup = self.setup_kernel_weights
+    if setup == "bfloat16_dot_if_supported":
+      setup = "bfloat16_dot" if cpu_matmul.has_bfloat16_dot() else "same"
+    if setup == "same":
+      setup = weights
+    elif setup == "auto":
+      setup = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    for name, w in (("kernel_weights", weights), ("setup_kernel_weights", setup)):
+      if w == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
+        info = cpu_matmul.cpu_info()
+        raise ValueError(f"T5.{name}='bfloat16_dot' needs a CPU with AVX512-BF16; this one "
+                         f"({info['model']}) has {', '.join(info['features'])}")
     cpu_matmul.note_packed(weights)
-    return _pack_kernels(params, threshold=threshold, weights=weights)
+    if setup != weights:
+      cpu_matmul.note_packed(f"{setup} (set-up)")
+    return _pack_kernels(params, threshold=threshold, weights=weights, setup_weights=setup)
 
   # ---------------------------------------------------------------- teacher forcing
   def forward(self, params: Params, encoder_tokens, decoder_input_tokens) -> jax.Array:
@@ -969,6 +991,7 @@ def _largest_kernel_elements(config: T5Config) -> int:
 # on the 2-core CPU: q/k/v of 192 x 192 each in 0.63x the time of three calls, of 512 x
 # 384 in 0.73x at 1 row).
 JOINED = {("query", "key", "value"): "qkv_joined", ("key", "value"): "kv_joined"}
+SETUP_WEIGHTS = ("same",) + cpu_matmul.WEIGHTS + ("bfloat16_dot_if_supported",)
 JOINED_MLP = "wi_joined"
 
 
@@ -986,34 +1009,44 @@ def _kernels_bfloat16_exact(params):
   return jnp.all(jnp.stack([cpu_matmul.bfloat16_exact(k) for k in kernels]))
 
 
-@functools.partial(jax.jit, static_argnames=("threshold", "weights"))
-def _pack_kernels(params, threshold: int, weights: str = "float32"):
+@functools.partial(jax.jit, static_argnames=("threshold", "weights", "setup_weights"))
+def _pack_kernels(params, threshold: int, weights: str = "float32",
+                  setup_weights: str | None = None):
   """Every 2-D `kernel` under encoder/ and decoder/ with >= `threshold` elements as a
-  PackedKernel (`weights`: float32, bfloat16 or int8), the others as they are (so a packed
-  tree packs to itself); an attention block's query/key/value (cross-attention's
-  key/value) and an MLP's gated input kernels are joined into one packed kernel (`JOINED`,
-  `JOINED_MLP`) when that is large enough, replacing them."""
-  pack = lambda k: cpu_matmul.pack(k.astype(jnp.float32), weights)
+  PackedKernel (`weights`: float32, bfloat16, int8 or bfloat16_dot; the encoder's and the
+  cross-attention key/value kernels, which only the set-up multiplies by, as
+  `setup_weights`, default `weights`), the others as they are (so a packed tree packs to
+  itself); an attention block's query/key/value (cross-attention's key/value) and an MLP's
+  gated input kernels are joined into one packed kernel (`JOINED`, `JOINED_MLP`) when that
+  is large enough, replacing them."""
+  setup_weights = setup_weights or weights
 
-  def join(tree, names, joined):
+  def pack(kernel, w):
+    return cpu_matmul.pack(kernel.astype(jnp.float32), w)
+
+  def join(tree, names, joined, w):
     kernels = [_kernel(tree, n) for n in names]
     if any(k is None for k in kernels) or sum(k.size for k in kernels) < threshold:
       return tree
     out = {k: v for k, v in tree.items() if k not in names}
-    out[joined] = {"kernel": pack(jnp.concatenate(kernels, axis=1))}
+    out[joined] = {"kernel": pack(jnp.concatenate(kernels, axis=1), w)}
     return out
 
-  def visit(tree, name=None):
+  def visit(tree, w, name=None):
     if not isinstance(tree, Mapping):
       if name == "kernel" and getattr(tree, "ndim", 0) == 2 and tree.size >= threshold:
-        return pack(tree)
+        return pack(tree, w)
       return tree
     if name in ("attention", "self_attention"):
-      tree = join(tree, ("query", "key", "value"), JOINED[("query", "key", "value")])
+      tree = join(tree, ("query", "key", "value"), JOINED[("query", "key", "value")], w)
     elif name == "encoder_decoder_attention":
-      tree = join(tree, ("key", "value"), JOINED[("key", "value")])
+      kv = JOINED[("key", "value")]
+      tree = join(tree, ("key", "value"), kv, setup_weights)
+      return {k: visit(v, setup_weights if k in ("key", "value", kv) else w, k)
+              for k, v in tree.items()}
     elif name == "mlp" and "wi_0" in tree:
-      tree = join(tree, tuple(sorted(k for k in tree if k.startswith("wi_"))), JOINED_MLP)
-    return {k: visit(v, k) for k, v in tree.items()}
+      tree = join(tree, tuple(sorted(k for k in tree if k.startswith("wi_"))), JOINED_MLP, w)
+    return {k: visit(v, w, k) for k, v in tree.items()}
 
-  return {k: visit(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
+  layer_weights = {"encoder": setup_weights, "decoder": weights}
+  return {k: visit(v, layer_weights[k]) if k in layer_weights else v for k, v in params.items()}

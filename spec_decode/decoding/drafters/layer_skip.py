@@ -64,8 +64,7 @@ class ExitAdapterLike(Protocol):
 
 def truncated(target, layers: int) -> t5.T5:
   """`target` cut after its first `layers` decoder layers (a T5 of the same settings)."""
-  return t5.T5(target.config.replace(num_decoder_layers=layers),
-               stream_params=target.stream_params, kernel_weights=target.kernel_weights)
+  return dataclasses.replace(target, config=target.config.replace(num_decoder_layers=layers))
 
 
 def truncated_params(params, layers: int):
