@@ -401,8 +401,9 @@ def test_t5_kernel_weights(pack_small):
 
 @needs_kernel
 def test_model_spec_kernel_weights(pack_small, tmp_path):
-  """`ModelSpec.kernel_weights` reaches the loaded T5 (random or from a checkpoint), is
-  recorded in config.json only when set, and is refused where it could have no effect."""
+  """`ModelSpec.kernel_weights` and `setup_kernel_weights` reach the loaded T5 (random or
+  from a checkpoint), are recorded in config.json only when set, and are refused where they
+  could have no effect."""
   from spec_decode import checkpoints
   from spec_decode.experiment import model_specs
   shape = dict(vocab_size=100, emb_dim=96, mlp_dim=200)
@@ -415,25 +416,20 @@ def test_model_spec_kernel_weights(pack_small, tmp_path):
     loaded, p = model_specs.load(spec, model_specs.LoadContext("target"))
     assert loaded.kernel_weights == "int8" and wo(loaded.decode_params(p)).dtype == jnp.int8
     assert spec.to_json()["kernel_weights"] == "int8"
-  plain, _ = model_specs.load(model_specs.ModelSpec(checkpoint=path),
-                              model_specs.LoadContext("target"))
-  assert plain.kernel_weights == "auto"
-  assert "kernel_weights" not in model_specs.ModelSpec(checkpoint=path).to_json()
-  with pytest.raises(ValueError, match="kernel_weights must be one of"):
-    model_specs.ModelSpec(checkpoint=path, kernel_weights="fp8")
-  with pytest.raises(ValueError, match="'ngram' model has no such weights"):
-    model_specs.ModelSpec(kind="ngram", kernel_weights="int8")
-  # setup_kernel_weights the same way, recorded only when not 'same'
   spec = model_specs.ModelSpec(checkpoint=path, setup_kernel_weights="bfloat16_dot_if_supported")
   loaded, _ = model_specs.load(spec, model_specs.LoadContext("target"))
   assert loaded.setup_kernel_weights == "bfloat16_dot_if_supported"
   assert spec.to_json()["setup_kernel_weights"] == "bfloat16_dot_if_supported"
-  assert plain.setup_kernel_weights == "same"
-  assert "setup_kernel_weights" not in model_specs.ModelSpec(checkpoint=path).to_json()
-  with pytest.raises(ValueError, match="setup_kernel_weights must be one of"):
-    model_specs.ModelSpec(checkpoint=path, setup_kernel_weights="fp8")
-  with pytest.raises(ValueError, match="'ngram' model has no such weights"):
-    model_specs.ModelSpec(kind="ngram", setup_kernel_weights="bfloat16_dot")
+  plain, _ = model_specs.load(model_specs.ModelSpec(checkpoint=path),
+                              model_specs.LoadContext("target"))
+  for field, value, default in (("kernel_weights", "int8", "auto"),
+                                ("setup_kernel_weights", "bfloat16_dot", "same")):
+    assert getattr(plain, field) == default  # and recorded only when set
+    assert field not in model_specs.ModelSpec(checkpoint=path).to_json()
+    with pytest.raises(ValueError, match=f"{field} must be one of"):
+      model_specs.ModelSpec(checkpoint=path, **{field: "fp8"})
+    with pytest.raises(ValueError, match="'ngram' model has no such weights"):
+      model_specs.ModelSpec(kind="ngram", **{field: value})
 
 
 @needs_kernel
