@@ -934,19 +934,21 @@ class T5(base.ParamSpecs):
         or not cpu_matmul.available()):
       return params
     return _PACKED.get(params, functools.partial(self._pack, threshold=threshold),
-                       tag=(self.kernel_weights, self.setup_kernel_weights))
+                       tag=(self.kernel_weights, self._setup_request()))
+
+  def _setup_request(self) -> str:
+    """`setup_kernel_weights` with 'bfloat16_dot_if_supported' decided for this CPU (so a
+    tree is packed once per setting that differs here)."""
+    if self.setup_kernel_weights == "bfloat16_dot_if_supported":
+      return "bfloat16_dot" if cpu_matmul.has_bfloat16_dot() else "same"
+    return self.setup_kernel_weights
 
   def _pack(self, params, threshold: int):
-    weights = self.kernel_weights
-    if weights == "auto":
-      weights = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
-    setup = self.setup_kernel_weights
-    if setup == "bfloat16_dot_if_supported":
-      setup = "bfloat16_dot" if cpu_matmul.has_bfloat16_dot() else "same"
-    if setup == "same":
-      setup = weights
-    elif setup == "auto":
-      setup = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    requested = (self.kernel_weights, self._setup_request())
+    if "auto" in requested:  # bfloat16 when every packed weight is a bfloat16 value
+      auto = "bfloat16" if bool(_kernels_bfloat16_exact(params)) else "float32"
+    weights, setup = (auto if w == "auto" else w for w in requested)
+    setup = weights if setup == "same" else setup
     for name, w in (("kernel_weights", weights), ("setup_kernel_weights", setup)):
       if w == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
         info = cpu_matmul.cpu_info()
