@@ -38,6 +38,7 @@ something for trained pairs. Writes <results_dir>/benchmark_<name>.{md,csv,json}
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -219,6 +220,8 @@ def run_benchmark(args) -> dict[str, Any]:
   mesh = partitioning.make_mesh(args.mesh) if args.mesh else None
   tspec = harness.model_spec(args.target, config=args.target_config, dtype=args.dtype, seed=0,
                              vocab_size=args.vocab_size, role="target")
+  if args.setup_kernel_weights != "same":  # as the demo run configs set it
+    tspec = dataclasses.replace(tspec, setup_kernel_weights=args.setup_kernel_weights)
   dspec = harness.model_spec(args.draft, config=args.draft_config, dtype=args.dtype,
                              seed=args.draft_seed,
                              vocab_size=args.vocab_size, role="draft")
@@ -407,6 +410,10 @@ def parse_args(argv: Sequence[str]):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   add_pair_arguments(p)
   p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default float32)")
+  p.add_argument("--setup_kernel_weights", default="same",
+                 help="the target's ModelSpec.setup_kernel_weights (how the CPU kernel "
+                 "multiplies its set-up's weights), e.g. bfloat16_dot_if_supported as the "
+                 "demo run configs set it (default 'same': as the decode steps)")
   p.add_argument("--task", default=None, help="take inputs (and alpha) from this task")
   p.add_argument("--split", default="test")
   p.add_argument("--mesh", default=None, help="e.g. data=1,model=4")

@@ -322,11 +322,13 @@ def test_benchmark_tiny(out):
       "--gammas", "1,2,7", "--gamma", "7", "--temperature", "1", "--repeats", "2", "--inner",
       "1", "--input_length", "24", "--decode_len", "10", "--num_examples", "2",
       "--e2e_repeats", "1", "--roofline", "on", "--copy_mib", "4", "--name", "tiny",
-      "--results_dir", out["results"]])
+      "--setup_kernel_weights", "bfloat16_dot_if_supported", "--results_dir", out["results"]])
   rows = _rows(paths["md"])
   assert [r[0] for r in rows] == ["1", "2", "7"]
   doc = _json(paths["json"])
   s = doc["summary"]
+  assert s["target"]["setup_kernel_weights"] == "bfloat16_dot_if_supported"
+  assert "setup_kernel_weights" not in s["draft"]
   assert s["c"] > 0 and s["target_step"]["n"] == 2 and s["marginal_step_costs"]
   assert s["c_rounds"]["n"] == 2
   for k in ("autoregressive", "speculative"):
