@@ -891,10 +891,94 @@ def test_t5_encoder_attends_in_the_kernel_where_packed(pack_small, packed_rows):
     jax.clear_caches()  # the switch is read when the encoder is traced
     with t5.switched(ATTENTION_KERNEL=setting):
       hlo = jax.jit(lambda p: model.encode(p, enc, index).hidden).lower(stored).as_text()
-      assert ("spec_decode_decode_attention" in hlo) == (setting is None)
+      assert ("spec_decode_self_attention" in hlo) == (setting is None)
       states[setting] = np.asarray(model.encode(stored, enc, index).hidden)
   jax.clear_caches()
   real = enc > 0
   np.testing.assert_allclose(states[None][real], states[False][real], rtol=2e-5, atol=2e-5)
   if packed_rows:
     np.testing.assert_array_equal(states[None][~real], 0.0)
+
+
+def _self_attention_operands(B, S, N, H, lengths, seed=0):
+  """A joined q/k/v product [B, S, 3 N H], a bias by key - query [N, 2S - 1], a key mask
+  [B, S] of rows `lengths` long (0: a row that sees nothing), and the same attention's
+  operands in `attention`'s layouts (split q, K, V, the full bias, the mask per query)."""
+  rng = np.random.default_rng(seed)
+  qkv = (rng.standard_normal((B, S, 3 * N * H)) * 0.5).astype(np.float32)
+  bias = rng.standard_normal((N, 2 * S - 1)).astype(np.float32)
+  mask = np.arange(S)[None, :] < np.asarray(lengths)[:, None]
+  q, k, v = (qkv[..., i * N * H:(i + 1) * N * H].reshape(B, S, N, H) for i in range(3))
+  t = np.arange(S)
+  full = bias[:, S - 1 - t[:, None] + t[None, :]][None]  # [1, N, S, S]: query t, key l
+  return (qkv, bias, mask), (q, *map(np.asarray, t5._kv_layout(k, v)), full,
+                             np.broadcast_to(mask[:, None, :], (B, S, S)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,S,N,H,lengths", [(1, 40, 6, 64, [33]), (3, 21, 3, 20, [21, 6, 0]),
+                                             (2, 9, 2, 16, [9, 1])])
+def test_self_attention_is_attention_over_the_split_projection(B, S, N, H, lengths):
+  """The encoder's attention read from the joined q/k/v product (K transposed in the
+  kernel's scratch, q and V read in place, the bias by key - query) is the decode attention
+  over split q, K, V with the full bias and the mask per query, bit for bit: with and
+  without a bias, rows of different lengths, a row that sees nothing; and within float32
+  rounding of float64's."""
+  (qkv, bias, mask), (q, k, v, full, mask_t) = _self_attention_operands(B, S, N, H, lengths)
+  run = jax.jit(cpu_matmul.self_attention, static_argnums=3)
+  got = np.asarray(run(qkv, bias, mask, N))
+  np.testing.assert_array_equal(got, np.asarray(jax.jit(cpu_matmul.attention)(q, k, v, full,
+                                                                                mask_t)))
+  np.testing.assert_allclose(got, _attention_f64(q, k, v, full, mask_t), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(
+      np.asarray(run(qkv, None, mask, N)),
+      np.asarray(jax.jit(cpu_matmul.attention)(q, k, v, None, mask_t)))
+  with pytest.raises(ValueError, match="heads"):
+    cpu_matmul.self_attention(qkv, bias, mask, 7)
+  with pytest.raises(ValueError, match="bias"):
+    cpu_matmul.self_attention(qkv, bias[:, 1:], mask, N)
+
+
+@needs_kernel
+def test_kv_layout_is_the_cache_layout():
+  """A joined key/value product copied into the cache's layouts by the kernel's threads is
+  XLA's transposes of it, bit for bit (a call large enough to split between threads, and
+  a small one)."""
+  for B, S, N, H in ((2, 300, 6, 64), (1, 5, 2, 8)):
+    kv = np.random.default_rng(1).standard_normal((B, S, 2 * N * H)).astype(np.float32)
+    k, v = jax.jit(cpu_matmul.kv_layout, static_argnums=1)(kv, N)
+    split = (kv[..., :N * H].reshape(B, S, N, H), kv[..., N * H:].reshape(B, S, N, H))
+    for got, want in zip((k, v), t5._kv_layout(*split)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="heads"):
+    cpu_matmul.kv_layout(kv, 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed_rows", [False, True])
+def test_t5_set_up_without_transposed_copies(pack_small, monkeypatch, packed_rows):
+  """Where the encoder's q/k/v and the cross-attention's k/v are joined packed kernels, the
+  set-up attends from the joined product (`cpu_matmul.self_attention`) and copies the
+  cross-attention's K/V into the cache's layouts in the kernel (`kv_layout`): the encoder
+  states and every cache entry are the bits of the split path (XLA's transposes, the decode
+  attention), padded or packed, and no transposed copy of K is left to XLA in the set-up."""
+  model, params = _mini()
+  stored = model.decode_params(params)
+  enc = np.array(jax.random.randint(jax.random.PRNGKey(4), (3, 12), 2, 100))
+  enc[np.arange(12)[None, :] >= np.array([12, 7, 3])[:, None]] = 0
+  index = base.packing_index(enc) if packed_rows else None
+  set_up = lambda p: model.init_cache(p, model.encode(p, enc, index), 6)
+  jax.clear_caches()
+  hlo = jax.jit(set_up).lower(stored).as_text()
+  assert "spec_decode_self_attention" in hlo and "spec_decode_kv_layout" in hlo
+  assert "spec_decode_decode_attention" not in hlo
+  new = jax.tree.leaves(set_up(stored))
+  monkeypatch.setattr(t5, "JOINED_QKV", "no such kernel")  # the split path
+  monkeypatch.setattr(t5, "JOINED_KV", "no such kernel")
+  jax.clear_caches()
+  assert "spec_decode_self_attention" not in jax.jit(set_up).lower(stored).as_text()
+  old = jax.tree.leaves(set_up(stored))
+  jax.clear_caches()
+  assert len(new) == len(old)
+  for a, b in zip(new, old):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -696,15 +696,29 @@ typedef f32x8 AttV;
 constexpr int64_t kAttLanes = Lanes<AttV>();
 
 struct Attention {
-  const float* q;      // [B, T, N, H]
-  const float* k;      // [B, N, H, L]
-  const float* v;      // [B, N, L, H]
-  const float* bias;   // [Bb, N, T, L] (Bb 1 or B), or null
-  const bool* mask;    // [B, T, L]
+  const float* q;      // query (b, t, n): q + (b * T + t) * q_row + n * H
+  const float* k;      // [B, N, H, L] (decode caches; `Attend`)
+  const float* v;      // [B, N, L, H] (decode caches; `Attend`)
+  const float* bias;   // query (b, t, n)'s L biases: bias + b' * bias_b + n * bias_n + t * bias_t
+                       // (b' = 0 when bias_batch is 1), or null
+  const bool* mask;    // query (b, t)'s L flags: mask + b * mask_b + t * mask_t
   const int64_t* extent;  // [B, T]: slots read by each query
   float* out;          // [B, T, N, H]
   int64_t B, T, N, H, L, bias_batch;
+  int64_t q_row, v_row, bias_b, bias_n, bias_t, mask_b, mask_t;
 };
+
+// The strides of `Attend`'s layouts: q [B, T, N, H], V [B, N, L, H], bias [Bb, N, T, L],
+// mask [B, T, L].
+void DecodeStrides(Attention& a) {
+  a.q_row = a.N * a.H;
+  a.v_row = a.H;
+  a.bias_n = a.T * a.L;
+  a.bias_b = a.N * a.bias_n;
+  a.bias_t = a.L;
+  a.mask_t = a.L;
+  a.mask_b = a.T * a.L;
+}
 
 constexpr int64_t kAttTile = 8;  // queries of one head that share each K and V load
 
@@ -713,7 +727,8 @@ constexpr int64_t kAttTile = 8;  // queries of one head that share each K and V 
 // for the tile, and every query's sums run over the same terms in the same order as alone.
 // The tile's size is a template argument, so that its accumulators stay in registers.
 template <int64_t count>
-void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride) {
+void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride,
+                const float* k, const float* v) {
   typedef int32_t AttI __attribute__((vector_size(sizeof(AttV))));
   typedef uint8_t AttB __attribute__((vector_size(kAttLanes)));
   // Slot chunks (logits) and feature chunks (values) a pass takes at once: count x G
@@ -724,10 +739,9 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   const int64_t E = *std::max_element(extent, extent + count);
   const int64_t E_all = *std::min_element(extent, extent + count);  // slots every query reads
   const int64_t chunks = (E + kAttLanes - 1) / kAttLanes;
-  const float* k = a.k + (b * a.N + n) * H * L;
-  const float* v = a.v + (b * a.N + n) * L * H;
+  const int64_t v_row = a.v_row;
   const float* q[count];
-  for (int64_t i = 0; i < count; ++i) q[i] = a.q + ((b * a.T + t0 + i) * a.N + n) * H;
+  for (int64_t i = 0; i < count; ++i) q[i] = a.q + (b * a.T + t0 + i) * a.q_row + n * H;
   // logits: over h in order, lanes over slots (a slot past a query's extent is overwritten);
   // GG chunks of slots from chunk c0
   auto logits = [&](auto gg, int64_t c0) {
@@ -762,9 +776,9 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   for (int64_t i = 0; i < count; ++i) {
     float* si = s + i * stride;
     const int64_t Ei = extent[i];
-    const bool* m = a.mask + (b * a.T + t0 + i) * L;
+    const bool* m = a.mask + b * a.mask_b + (t0 + i) * a.mask_t;
     const float* bias = a.bias == nullptr ? nullptr
-        : a.bias + (((a.bias_batch == 1 ? 0 : b) * a.N + n) * a.T + t0 + i) * L;
+        : a.bias + (a.bias_batch == 1 ? 0 : b) * a.bias_b + n * a.bias_n + (t0 + i) * a.bias_t;
     const int64_t whole = Ei / kAttLanes * kAttLanes;
     AttV top_v = AttV{} - 1e10f;
     for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
@@ -809,9 +823,9 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
       for (int64_t g = 0; g < G; ++g) {
         rv[g] = AttV{};
         if (width[g] == kAttLanes) {
-          rv[g] = Bits<AttV>(v + l * H + h0 + g * kAttLanes);
+          rv[g] = Bits<AttV>(v + l * v_row + h0 + g * kAttLanes);
         } else {
-          for (int64_t j = 0; j < width[g]; ++j) rv[g][j] = v[l * H + h0 + g * kAttLanes + j];
+          for (int64_t j = 0; j < width[g]; ++j) rv[g][j] = v[l * v_row + h0 + g * kAttLanes + j];
         }
       }
       for (int64_t i = 0; i < count; ++i) {
@@ -833,7 +847,8 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   }
 }
 
-using AttendTileFn = void (*)(const Attention&, int64_t, int64_t, int64_t, float*, int64_t);
+using AttendTileFn = void (*)(const Attention&, int64_t, int64_t, int64_t, float*, int64_t,
+                              const float*, const float*);
 constexpr AttendTileFn kAttendTiles[kAttTile + 1] = {
     nullptr, AttendTile<1>, AttendTile<2>, AttendTile<3>, AttendTile<4>,
     AttendTile<5>, AttendTile<6>, AttendTile<7>, AttendTile<8>};
@@ -869,9 +884,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     }
     widest += row;
   }
-  const Attention a{q.typed_data(), k.typed_data(), v.typed_data(),
-                    has_bias ? bias.typed_data() : nullptr, m, extent.data(),
-                    out->typed_data(), B, T, N, H, L, has_bias ? bd[0] : 0};
+  Attention a{q.typed_data(), k.typed_data(), v.typed_data(),
+              has_bias ? bias.typed_data() : nullptr, m, extent.data(),
+              out->typed_data(), B, T, N, H, L, has_bias ? bd[0] : 0};
+  DecodeStrides(a);
   const int64_t scratch = (L + kAttLanes - 1) / kAttLanes * kAttLanes;
   auto heads = [&a, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
     // Each thread's scores, kept from call to call (one allocation per thread and size,
@@ -880,7 +896,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     if (s.size() < static_cast<size_t>(kAttTile * scratch)) s.resize(kAttTile * scratch);
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t t = 0; t < a.T; t += kAttTile)
-        kAttendTiles[std::min(kAttTile, a.T - t)](a, i / a.N, i % a.N, t, s.data(), scratch);
+        kAttendTiles[std::min(kAttTile, a.T - t)](a, i / a.N, i % a.N, t, s.data(), scratch,
+                                                  a.k + i * a.H * a.L, a.v + i * a.L * a.H);
   };
   const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};  // K and V read
   int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
@@ -897,6 +914,130 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     heads(0, B * N);
   } else {
     Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, heads,
+             nullptr);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- An encoder's self-attention, read from its joined projection ----
+//
+// out[b, t, n, :] = the attention of `Attend` for query q[b, t, n] over the keys and values
+// of every position of row b, with q, K and V read where the joined query/key/value
+// product left them: qkv [B, S, 3 N H] (query, key and value columns, heads in order). No
+// transposed copy of K or V is made outside the kernel: each (row, head) item transposes its
+// K into a thread's scratch (in cache) and reads V and q in place. bias [N, 2 S - 1] (T5's
+// relative-position bias depends on key - query only): query t's bias over keys l is
+// bias[n, S - 1 - t + l]. mask [B, S]: the keys each query of row b sees. The same
+// `AttendTile` as decode steps, so the same bits as `Attend` over K, V, the full bias and
+// the mask broadcast to every query.
+ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> bias,
+                      ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                      int64_t threads, int64_t heads, int64_t has_bias) {
+  const auto xd = qkv.dimensions(), bd = bias.dimensions(), md = mask.dimensions(),
+             od = out->dimensions();
+  if (xd.size() != 3 || bd.size() != 2 || md.size() != 2 || od.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "self_attention: want qkv [B, S, 3 N H], bias [N, 2 S - 1], mask [B, S], out "
+        "[B, S, N, H]");
+  const int64_t B = xd[0], S = xd[1], C = xd[2], N = heads;
+  if (N < 1 || C % (3 * N) != 0 || md[0] != B || md[1] != S || od[0] != B || od[1] != S ||
+      od[2] != N || od[3] != C / (3 * N) || (has_bias && (bd[0] != N || bd[1] != 2 * S - 1)))
+    return ffi::Error::InvalidArgument(
+        "self_attention: shapes of qkv, bias, mask and out disagree with the heads");
+  const int64_t H = C / (3 * N);
+  const bool* m = mask.typed_data();
+  std::vector<int64_t> extent(B * S);
+  int64_t widest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t e = S;
+    while (e > 0 && !m[b * S + e - 1]) --e;
+    e = e > 0 ? e : S;  // nothing visible: all keys, uniformly
+    std::fill(extent.begin() + b * S, extent.begin() + (b + 1) * S, e);
+    widest += e;
+  }
+  const float* x = qkv.typed_data();
+  Attention a{x, nullptr, nullptr, has_bias ? bias.typed_data() + (S - 1) : nullptr, m,
+              extent.data(), out->typed_data(), B, S, N, H, S, 1};
+  a.q_row = C;
+  a.v_row = C;
+  a.bias_b = 0;
+  a.bias_n = 2 * S - 1;
+  a.bias_t = -1;
+  a.mask_b = S;
+  a.mask_t = 0;
+  const int64_t scratch = (S + kAttLanes - 1) / kAttLanes * kAttLanes;
+  auto items = [&a, x, C, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
+    thread_local std::vector<float> s, kt;
+    if (s.size() < static_cast<size_t>(kAttTile * scratch)) s.resize(kAttTile * scratch);
+    if (kt.size() < static_cast<size_t>(a.H * scratch)) kt.resize(a.H * scratch);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / a.N, n = i % a.N, H = a.H, S = a.L;
+      // K of this row and head, transposed: kt[h * S + l] (the slots the logits read)
+      const int64_t reach = std::min(S, (a.extent[b * S] + kAttLanes - 1) / kAttLanes * kAttLanes);
+      const float* kin = x + b * S * C + a.N * H + n * H;
+      for (int64_t l = 0; l < reach; ++l)
+        for (int64_t h = 0; h < H; ++h) kt[h * S + l] = kin[l * C + h];
+      const float* v = x + b * S * C + 2 * a.N * H + n * H;
+      for (int64_t t = 0; t < a.T; t += kAttTile)
+        kAttendTiles[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kt.data(), v);
+    }
+  };
+  const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};
+  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
+  if ((widest * S * N * H < (1 << 18) && kv_bytes < kAttSplitBytes) || B * N < 2) helpers = 0;
+  if (helpers <= 0) {
+    items(0, B * N);
+  } else {
+    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, items,
+             nullptr);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- A joined key/value product in the decode cache's layouts ----
+//
+// kv [B, S, 2 N H] (key columns, then value columns, heads in order) -> K [B, N, H, S] and
+// V [B, N, S, H]: the copies XLA makes of a cross-attention's K and V (transposes it runs on
+// one thread) done per (row, head) on the kernel's threads. Exact copies.
+ffi::Error KvLayout(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> kv, ffi::ResultBuffer<ffi::F32> k,
+                    ffi::ResultBuffer<ffi::F32> v, int64_t threads, int64_t heads) {
+  const auto xd = kv.dimensions(), kd = k->dimensions(), vd = v->dimensions();
+  if (xd.size() != 3 || kd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "kv_layout: want kv [B, S, 2 N H], K [B, N, H, S], V [B, N, S, H]");
+  const int64_t B = xd[0], S = xd[1], C = xd[2], N = heads;
+  if (N < 1 || C % (2 * N) != 0)
+    return ffi::Error::InvalidArgument("kv_layout: kv's columns are not 2 x heads x head_dim");
+  const int64_t H = C / (2 * N);
+  if (kd[0] != B || kd[1] != N || kd[2] != H || kd[3] != S || vd[0] != B || vd[1] != N ||
+      vd[2] != S || vd[3] != H)
+    return ffi::Error::InvalidArgument("kv_layout: shapes of kv, K and V disagree");
+  const float* x = kv.typed_data();
+  float* ko = k->typed_data();
+  float* vo = v->typed_data();
+  auto items = [=](int64_t i0, int64_t i1) {  // items: (b, n) pairs
+    constexpr int64_t kBlock = 16;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / N, n = i % N;
+      const float* kin = x + b * S * C + n * H;
+      const float* vin = kin + N * H;
+      float* kout = ko + i * H * S;
+      float* vout = vo + i * S * H;
+      for (int64_t l = 0; l < S; ++l)
+        std::memcpy(vout + l * H, vin + l * C, H * sizeof(float));
+      for (int64_t l0 = 0; l0 < S; l0 += kBlock) {  // blocks of slots: reads and writes in cache lines
+        const int64_t l1 = std::min(S, l0 + kBlock);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t l = l0; l < l1; ++l) kout[h * S + l] = kin[l * C + h];
+      }
+    }
+  };
+  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
+  if (B * S * C * int64_t{sizeof(float)} < kAttSplitBytes || B * N < 2) helpers = 0;
+  if (helpers <= 0) {
+    items(0, B * N);
+  } else {
+    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, items,
              nullptr);
   }
   return ffi::Error::Success();
@@ -1081,6 +1222,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeAttention, Attend,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // [B, T, N, H]
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSelfAttention, SelfAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv [B, S, 3 N H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [N, 2 S - 1]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [B, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // [B, S, N, H]
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("heads")
+                                  .Attr<int64_t>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeKvLayout, KvLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kv [B, S, 2 N H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // K [B, N, H, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // V [B, N, S, H]
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("heads"));
 
 extern "C" {
 

@@ -83,6 +83,10 @@ _TARGETS = {
 }
 # Decode-step attention over a cache (`attention`).
 _ATTENTION_TARGET = ("spec_decode_decode_attention", "SpecDecodeAttention")
+# An encoder's self-attention from its joined projection (`self_attention`) and a joined
+# key/value product in the cache's layouts (`kv_layout`).
+_SELF_ATTENTION_TARGET = ("spec_decode_self_attention", "SpecDecodeSelfAttention")
+_KV_LAYOUT_TARGET = ("spec_decode_kv_layout", "SpecDecodeKvLayout")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
 # `T5.decode_params`). Measured per product on a 2-core AMD EPYC (1..11 rows, a jitted
@@ -269,6 +273,50 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
       has_bias=np.int64(has_bias))
 
 
+def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int) -> jax.Array:
+  """An encoder layer's self-attention read from its joined query/key/value product
+  qkv [B, S, 3 N H] (query, key, value columns, heads in order) where it lies: no
+  transposed copy of K or V is made (each (row, head) transposes its K in the kernel's
+  scratch). bias_NR [N, 2 S - 1] or None: the relative-position bias by key - query
+  (query t, key l: bias_NR[:, S - 1 - t + l]); mask_BS [B, S]: the keys each row's queries
+  see. -> [B, S, N, H] float32, the same bits as `attention` over the split q, K, V, the
+  full bias and the mask broadcast to every query."""
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
+  B, S, C = qkv_BSC.shape
+  N = int(num_heads)
+  if N < 1 or C % (3 * N):
+    raise ValueError(f"self_attention: qkv has {C} columns, not 3 x {N} heads x head_dim")
+  has_bias = bias_NR is not None
+  if has_bias and tuple(bias_NR.shape) != (N, 2 * S - 1):
+    raise ValueError(f"self_attention: want bias [{N}, {2 * S - 1}], got {tuple(bias_NR.shape)}")
+  bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))
+  mask = jnp.broadcast_to(mask_BS, (B, S)).astype(bool)
+  out = jax.ShapeDtypeStruct((B, S, N, C // (3 * N)), jnp.float32)
+  return jax.ffi.ffi_call(_SELF_ATTENTION_TARGET[0], out, vmap_method="sequential")(
+      qkv_BSC.astype(jnp.float32), bias, mask, threads=np.int64(_threads()), heads=np.int64(N),
+      has_bias=np.int64(has_bias))
+
+
+def kv_layout(kv_BSC, num_heads: int) -> tuple[jax.Array, jax.Array]:
+  """A joined key/value product kv [B, S, 2 N H] (key columns, then value columns) in a
+  decode cache's layouts: (K [B, N, H, S], V [B, N, S, H]) float32, exact copies made on the
+  kernel's threads (XLA's transposes of them run on one)."""
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
+  B, S, C = kv_BSC.shape
+  N = int(num_heads)
+  if N < 1 or C % (2 * N):
+    raise ValueError(f"kv_layout: kv has {C} columns, not 2 x {N} heads x head_dim")
+  H = C // (2 * N)
+  outs = (jax.ShapeDtypeStruct((B, N, H, S), jnp.float32),
+          jax.ShapeDtypeStruct((B, N, S, H), jnp.float32))
+  return tuple(jax.ffi.ffi_call(_KV_LAYOUT_TARGET[0], outs, vmap_method="sequential")(
+      kv_BSC.astype(jnp.float32), threads=np.int64(_threads()), heads=np.int64(N)))
+
+
 def _cpu_flags() -> str:
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -329,7 +377,8 @@ def _register() -> str | None:
   try:
     path = _build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*_TARGETS.values(), _ATTENTION_TARGET):
+    for target, symbol in (*_TARGETS.values(), _ATTENTION_TARGET, _SELF_ATTENTION_TARGET,
+                           _KV_LAYOUT_TARGET):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
     lib.spec_decode_widths.restype = ctypes.c_int64

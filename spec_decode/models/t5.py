@@ -658,16 +658,26 @@ class T5(base.ParamSpecs):
                              pos[None, :] - pos[:, None], bidirectional=True)[None]  # [1,N,S,S]
     attn_mask = jnp.broadcast_to(mask_BS[:, None, :], (B, S, S))
     rows = _real_rows(mask_BS, packed_index)  # the products skip the padding rows after it
+    toeplitz = None  # the bias by key - query [N, 2S - 1], for the kernel's self_attention
     x_prev = x  # the previous layer's input: what this layer's streamed weights wait for
     for i in range(c.num_encoder_layers):
       p = self._get(enc[f"layers_{i}"], x_prev)
       x_prev = x
       h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
-      q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
       attend = _attention_for(p)
-      x = x + self._merge_heads(pack(attend(q, *_kv_layout(k, v), bias, attn_mask)),
-                                a["out"]["kernel"], rows)
+      if attend is _attend_kernel and JOINED_QKV in a:
+        # the kernel reads q, K and V where the joined product left them (no transposes)
+        qkv = unpack(self._dense(h, a[JOINED_QKV]["kernel"], rows))
+        if toeplitz is None:
+          toeplitz = self._relpos_bias(
+              self._get(enc["relpos_bias"]["rel_embedding"], encoder_tokens),
+              jnp.arange(1 - S, S)[None], bidirectional=True)[:, 0]  # [N, 2S - 1]
+        out = cpu_matmul.self_attention(qkv, toeplitz, mask_BS, c.num_heads).astype(qkv.dtype)
+      else:
+        q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
+        out = attend(q, *_kv_layout(k, v), bias, attn_mask)
+      x = x + self._merge_heads(pack(out), a["out"]["kernel"], rows)
       h = _Normed(x, p["pre_mlp_layer_norm"]["scale"], c.layer_norm_epsilon)
       x = x + self._mlp(p["mlp"], h, rows)
     x = _rms_norm(x, self._get(enc["encoder_norm"]["scale"], x_prev), c.layer_norm_epsilon)
@@ -757,12 +767,16 @@ class T5(base.ParamSpecs):
     rows after the last real token (their K/V are zeros; cross-attention masks them)."""
     a = layer_params["encoder_decoder_attention"]
     rows = None if mask is None else _real_rows(mask, packed_index)
-    if packed_index is None:
-      return _kv_layout(*self._heads(encoder_hidden_BSD, a, ("key", "value"), rows))
     B, S = encoder_hidden_BSD.shape[:2]
-    h = _pack_rows(encoder_hidden_BSD, packed_index)[None]
-    return _kv_layout(*(_unpack_rows(y[0], packed_index, B, S)
-                        for y in self._heads(h, a, ("key", "value"), rows)))
+    unpack = lambda y: y if packed_index is None else _unpack_rows(y[0], packed_index, B, S)
+    h = encoder_hidden_BSD if packed_index is None else _pack_rows(encoder_hidden_BSD,
+                                                                   packed_index)[None]
+    if isinstance(a.get(JOINED_KV, {}).get("kernel"), cpu_matmul.PackedKernel):
+      # one product, copied into the cache's layouts on the kernel's threads
+      k, v = cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
+                                  self.config.num_heads)
+      return k.astype(self.config.dtype), v.astype(self.config.dtype)
+    return _kv_layout(*(unpack(y) for y in self._heads(h, a, ("key", "value"), rows)))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
                     cross_k_BNHS, cross_v_BNSH, cross_mask_BTS, rowwise=None):
@@ -993,6 +1007,7 @@ def _largest_kernel_elements(config: T5Config) -> int:
 # on the 2-core CPU: q/k/v of 192 x 192 each in 0.63x the time of three calls, of 512 x
 # 384 in 0.73x at 1 row).
 JOINED = {("query", "key", "value"): "qkv_joined", ("key", "value"): "kv_joined"}
+JOINED_QKV, JOINED_KV = JOINED[("query", "key", "value")], JOINED[("key", "value")]
 SETUP_WEIGHTS = ("same",) + cpu_matmul.WEIGHTS + ("bfloat16_dot_if_supported",)
 JOINED_MLP = "wi_joined"
 
