@@ -982,3 +982,29 @@ def test_t5_set_up_without_transposed_copies(pack_small, monkeypatch, packed_row
   assert len(new) == len(old)
   for a, b in zip(new, old):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_kernel
+@pytest.mark.skipif(not (HAVE_COMPILER and cpu_matmul.has_bfloat16_dot()),
+                    reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("B,S,N,H,lengths", [(1, 70, 2, 64, [61]), (3, 33, 3, 32, [33, 1, 0])])
+def test_self_attention_in_bfloat16_dot_products(B, S, N, H, lengths):
+  """dot=True: the attention of q, K, the softmax's weights and V rounded to bfloat16 with
+  float32 sums (float64's of the rounded operands up to float32 rounding and the weights'
+  rounding boundaries), a row that sees nothing averaging all values; head_dims the dot
+  products cannot take are refused."""
+  import ml_dtypes
+  (qkv, bias, mask), (q, k, v, full, mask_t) = _self_attention_operands(B, S, N, H, lengths)
+  got = np.asarray(jax.jit(lambda x, b, m: cpu_matmul.self_attention(x, b, m, N, dot=True))(
+      qkv, bias, mask))
+  bf = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float64)
+  logits = np.einsum("btnh,bnhl->bntl", bf(q), bf(k)) + full
+  logits = np.where(mask_t[:, None], logits, -1e10)
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  want = np.einsum("bntl,bnlh->btnh", bf(w), bf(v))
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+  f32 = np.asarray(jax.jit(cpu_matmul.self_attention, static_argnums=3)(qkv, bias, mask, N))
+  assert 0 < np.abs(got - f32).max() < 2e-2 * np.abs(f32).max()  # bfloat16's rounding, no more
+  with pytest.raises(ValueError, match="multiple of 32"):
+    cpu_matmul.self_attention(qkv[..., :3 * N * 16], bias, mask, N, dot=True)

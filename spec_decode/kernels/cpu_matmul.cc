@@ -722,6 +722,55 @@ void DecodeStrides(Attention& a) {
 
 constexpr int64_t kAttTile = 8;  // queries of one head that share each K and V load
 
+// The masked softmax of a tile's `count` queries over their extents (`AttendTile`): the
+// logits in s (row i at s + i * stride) become weights; a query's weights past its extent
+// are not written (its last chunk's rest: 0), none is read there.
+template <int64_t count>
+inline void SoftmaxTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s,
+                        int64_t stride, const int64_t* extent) {
+  typedef int32_t AttI __attribute__((vector_size(sizeof(AttV))));
+  typedef uint8_t AttB __attribute__((vector_size(kAttLanes)));
+  const int64_t L = a.L;
+  for (int64_t i = 0; i < count; ++i) {
+    float* si = s + i * stride;
+    const int64_t Ei = extent[i];
+    const bool* m = a.mask + b * a.mask_b + (t0 + i) * a.mask_t;
+    const float* bias = a.bias == nullptr ? nullptr
+        : a.bias + (a.bias_batch == 1 ? 0 : b) * a.bias_b + n * a.bias_n + (t0 + i) * a.bias_t;
+    const int64_t whole = Ei / kAttLanes * kAttLanes;
+    AttV top_v = AttV{} - 1e10f;
+    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
+      AttV x = Bits<AttV>(si + l0);
+      if (bias != nullptr) x = x + Bits<AttV>(bias + l0);
+      const AttI visible = __builtin_convertvector(Bits<AttB>(m + l0), AttI);
+      x = visible != 0 ? x : AttV{} - 1e10f;
+      std::memcpy(si + l0, &x, sizeof(x));
+      top_v = x > top_v ? x : top_v;
+    }
+    float top = -1e10f;
+    for (int j = 0; j < kAttLanes; ++j) top = std::max(top, top_v[j]);
+    for (int64_t l = whole; l < Ei; ++l) {
+      si[l] = !m[l] ? -1e10f : bias == nullptr ? si[l] : si[l] + bias[l];
+      top = std::max(top, si[l]);
+    }
+    const int64_t ci = (Ei + kAttLanes - 1) / kAttLanes;
+    for (int64_t l = Ei; l < ci * kAttLanes; ++l) si[l] = -1e30f;  // its last chunk's rest: 0
+    AttV sum{};
+    for (int64_t c = 0; c < ci; ++c) {
+      AttV x = ExpNonPositive(Bits<AttV>(si + c * kAttLanes) - top);
+      std::memcpy(si + c * kAttLanes, &x, sizeof(x));
+      sum += x;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < kAttLanes; ++j) total += sum[j];
+    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
+      const AttV x = Bits<AttV>(si + l0) / (AttV{} + total);
+      std::memcpy(si + l0, &x, sizeof(x));
+    }
+    for (int64_t l = whole; l < Ei; ++l) si[l] = si[l] / total;
+  }
+}
+
 // The queries t0 .. t0 + count - 1 (count <= kAttTile) of batch row b and head n; s: scratch
 // of kAttTile x `stride` floats (L rounded up to lanes). Each K and V vector is loaded once
 // for the tile, and every query's sums run over the same terms in the same order as alone.
@@ -773,44 +822,7 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   for (; c0 < chunks; ++c0) logits(std::integral_constant<int64_t, 1>{}, c0);
   // masked softmax per query over its extent (the values pass reads no weight past it);
   // every logit -1e10 where it sees no slot at all
-  for (int64_t i = 0; i < count; ++i) {
-    float* si = s + i * stride;
-    const int64_t Ei = extent[i];
-    const bool* m = a.mask + b * a.mask_b + (t0 + i) * a.mask_t;
-    const float* bias = a.bias == nullptr ? nullptr
-        : a.bias + (a.bias_batch == 1 ? 0 : b) * a.bias_b + n * a.bias_n + (t0 + i) * a.bias_t;
-    const int64_t whole = Ei / kAttLanes * kAttLanes;
-    AttV top_v = AttV{} - 1e10f;
-    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
-      AttV x = Bits<AttV>(si + l0);
-      if (bias != nullptr) x = x + Bits<AttV>(bias + l0);
-      const AttI visible = __builtin_convertvector(Bits<AttB>(m + l0), AttI);
-      x = visible != 0 ? x : AttV{} - 1e10f;
-      std::memcpy(si + l0, &x, sizeof(x));
-      top_v = x > top_v ? x : top_v;
-    }
-    float top = -1e10f;
-    for (int j = 0; j < kAttLanes; ++j) top = std::max(top, top_v[j]);
-    for (int64_t l = whole; l < Ei; ++l) {
-      si[l] = !m[l] ? -1e10f : bias == nullptr ? si[l] : si[l] + bias[l];
-      top = std::max(top, si[l]);
-    }
-    const int64_t ci = (Ei + kAttLanes - 1) / kAttLanes;
-    for (int64_t l = Ei; l < ci * kAttLanes; ++l) si[l] = -1e30f;  // its last chunk's rest: 0
-    AttV sum{};
-    for (int64_t c = 0; c < ci; ++c) {
-      AttV x = ExpNonPositive(Bits<AttV>(si + c * kAttLanes) - top);
-      std::memcpy(si + c * kAttLanes, &x, sizeof(x));
-      sum += x;
-    }
-    float total = 0.0f;
-    for (int j = 0; j < kAttLanes; ++j) total += sum[j];
-    for (int64_t l0 = 0; l0 < whole; l0 += kAttLanes) {
-      const AttV x = Bits<AttV>(si + l0) / (AttV{} + total);
-      std::memcpy(si + l0, &x, sizeof(x));
-    }
-    for (int64_t l = whole; l < Ei; ++l) si[l] = si[l] / total;
-  }
+  SoftmaxTile<count>(a, b, n, t0, s, stride, extent);
   // weights x values: per feature chunk, over slots in order (each query's own slots only:
   // a weight that is 0 inside its extent adds an exact 0)
   for (int64_t h0 = 0; h0 < H; h0 += G * kAttLanes) {
@@ -919,20 +931,116 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+#ifdef __AVX512BF16__
+// 32 floats -> 16 words of two bfloat16 (x[2 j] in word j's low half, as VDPBF16PS pairs
+// them), rounded to nearest even by VCVTNE2PS2BF16.
+inline void PairsOf32(const float* x, uint32_t* out) {
+  const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+  _mm512_storeu_si512(out, (__m512i)p);
+}
+
+// 16 floats of each of two slots -> 16 words (lo[h] in the low half, hi[h] in the high),
+// rounded to nearest even as VCVTNE2PS2BF16 rounds.
+inline void PairsOf16x2(const float* lo, const float* hi, uint32_t* out) {
+  const __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(lo));
+  const __m256bh b = hi == nullptr ? (__m256bh)_mm256_setzero_si256()
+                                   : _mm512_cvtneps_pbh(_mm512_loadu_ps(hi));
+  const __m512i wa = _mm512_cvtepu16_epi32((__m256i)a), wb = _mm512_cvtepu16_epi32((__m256i)b);
+  _mm512_storeu_si512(out, _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16)));
+}
+
+// `AttendTile` in bfloat16 dot products (AVX512-BF16): q, K, the softmax's weights and V
+// rounded to bfloat16, each product of a pair summed into float32 (VDPBF16PS: twice the
+// multiply-adds of an FMA per instruction), the softmax in float32. For an encoder's
+// attention over its input (`SelfAttend` with `dot`), where the set-up multiplies in
+// bfloat16 already; never for decode steps. kt [H / 2][stride] words: slot l's K pair
+// (2 hp, 2 hp + 1) at kt[hp * stride + l]; vt [ceil(E / 2)][H] words: value feature h of the
+// slot pair (2 lp, 2 lp + 1) at vt[lp * H + h] (0 past the extent). H a multiple of 32.
+template <int64_t count>
+void AttendTileDot(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s,
+                   int64_t stride, const uint32_t* kt, const uint32_t* vt) {
+  constexpr int64_t G = 2;  // chunks of 16 slots (logits) or features (values) per pass
+  const int64_t H = a.H, H2 = a.H / 2;
+  const int64_t* extent = a.extent + b * a.T + t0;
+  const int64_t E = *std::max_element(extent, extent + count);
+  const int64_t chunks = (E + 15) / 16;
+  alignas(64) uint32_t qp[count][64];  // the queries' pairs (H <= 128)
+  for (int64_t i = 0; i < count; ++i) {
+    const float* q = a.q + (b * a.T + t0 + i) * a.q_row + n * H;
+    for (int64_t h = 0; h < H; h += 32) PairsOf32(q + h, qp[i] + h / 2);
+  }
+  for (int64_t c0 = 0; c0 < chunks; c0 += G) {
+    const int64_t gg = std::min<int64_t>(G, chunks - c0);
+    __m512 acc[count][G];
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+    for (int64_t hp = 0; hp < H2; ++hp) {
+      __m512bh kv[G];
+      for (int64_t g = 0; g < G; ++g)
+        kv[g] = (__m512bh)_mm512_loadu_si512(kt + hp * stride + (c0 + std::min(g, gg - 1)) * 16);
+      for (int64_t i = 0; i < count; ++i) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i][hp]));  // NOLINT
+        for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], qv, kv[g]);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < gg; ++g) _mm512_storeu_ps(s + i * stride + (c0 + g) * 16, acc[i][g]);
+  }
+  SoftmaxTile<count>(a, b, n, t0, s, stride, extent);
+  const int64_t pairs = (E + 1) / 2;
+  // each query's weights as pairs, in place: row i's words 0 .. pairs - 1 (0 past its extent:
+  // the softmax wrote zeros up to its last chunk's end, which covers 2 pairs)
+  for (int64_t i = 0; i < count; ++i) {
+    float* w = s + i * stride;
+    uint32_t* wp = reinterpret_cast<uint32_t*>(w);
+    for (int64_t l = 0; l < 2 * pairs; l += 32) {
+      alignas(64) float chunk[32] = {};
+      std::memcpy(chunk, w + l, std::min<int64_t>(32, stride - l) * sizeof(float));
+      PairsOf32(chunk, wp + l / 2);
+    }
+  }
+  for (int64_t h0 = 0; h0 < H; h0 += G * 16) {
+    __m512 acc[count][G];
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+    for (int64_t lp = 0; lp < pairs; ++lp) {
+      __m512bh vv[G];
+      for (int64_t g = 0; g < G; ++g)
+        vv[g] = (__m512bh)_mm512_loadu_si512(vt + lp * H + h0 + g * 16);
+      for (int64_t i = 0; i < count; ++i) {
+        const uint32_t* wp = reinterpret_cast<const uint32_t*>(s + i * stride) + lp;
+        const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(*wp));
+        for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], wv, vv[g]);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      float* o = a.out + ((b * a.T + t0 + i) * a.N + n) * H + h0;
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(o + g * 16, acc[i][g]);
+    }
+  }
+}
+
+using AttendTileDotFn = void (*)(const Attention&, int64_t, int64_t, int64_t, float*, int64_t,
+                                 const uint32_t*, const uint32_t*);
+constexpr AttendTileDotFn kAttendTilesDot[kAttTile + 1] = {
+    nullptr, AttendTileDot<1>, AttendTileDot<2>, AttendTileDot<3>, AttendTileDot<4>,
+    AttendTileDot<5>, AttendTileDot<6>, AttendTileDot<7>, AttendTileDot<8>};
+#endif
+
 // ---- An encoder's self-attention, read from its joined projection ----
 //
 // out[b, t, n, :] = the attention of `Attend` for query q[b, t, n] over the keys and values
 // of every position of row b, with q, K and V read where the joined query/key/value
 // product left them: qkv [B, S, 3 N H] (query, key and value columns, heads in order). No
 // transposed copy of K or V is made outside the kernel: each (row, head) item transposes its
-// K into a thread's scratch (in cache) and reads V and q in place. bias [N, 2 S - 1] (T5's
+// K and copies its V into a thread's scratch (in cache) and reads q in place. bias [N, 2 S - 1] (T5's
 // relative-position bias depends on key - query only): query t's bias over keys l is
 // bias[n, S - 1 - t + l]. mask [B, S]: the keys each query of row b sees. The same
 // `AttendTile` as decode steps, so the same bits as `Attend` over K, V, the full bias and
 // the mask broadcast to every query.
 ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
-                      int64_t threads, int64_t heads, int64_t has_bias) {
+                      int64_t threads, int64_t heads, int64_t has_bias, int64_t dot) {
   const auto xd = qkv.dimensions(), bd = bias.dimensions(), md = mask.dimensions(),
              od = out->dimensions();
   if (xd.size() != 3 || bd.size() != 2 || md.size() != 2 || od.size() != 4)
@@ -945,6 +1053,10 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
     return ffi::Error::InvalidArgument(
         "self_attention: shapes of qkv, bias, mask and out disagree with the heads");
   const int64_t H = C / (3 * N);
+  if (dot && (!kHaveDot || H % 32 != 0 || H > 128))
+    return ffi::Error::InvalidArgument(
+        "self_attention: bfloat16 dot products need a CPU with AVX512-BF16 and a head_dim that "
+        "is a multiple of 32 (at most 128)");
   const bool* m = mask.typed_data();
   std::vector<int64_t> extent(B * S);
   int64_t widest = 0;
@@ -959,27 +1071,65 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
   Attention a{x, nullptr, nullptr, has_bias ? bias.typed_data() + (S - 1) : nullptr, m,
               extent.data(), out->typed_data(), B, S, N, H, S, 1};
   a.q_row = C;
-  a.v_row = C;
+  a.v_row = H;  // V copied per item into contiguous scratch
   a.bias_b = 0;
   a.bias_n = 2 * S - 1;
   a.bias_t = -1;
   a.mask_b = S;
   a.mask_t = 0;
   const int64_t scratch = (S + kAttLanes - 1) / kAttLanes * kAttLanes;
-  auto items = [&a, x, C, scratch](int64_t i0, int64_t i1) {  // items: (b, n) pairs
-    thread_local std::vector<float> s, kt;
+  auto items = [&a, x, C, scratch, dot](int64_t i0, int64_t i1) {  // items: (b, n) pairs
+    thread_local std::vector<float> s, kt, vs;
     if (s.size() < static_cast<size_t>(kAttTile * scratch)) s.resize(kAttTile * scratch);
     if (kt.size() < static_cast<size_t>(a.H * scratch)) kt.resize(a.H * scratch);
+    if (vs.size() < static_cast<size_t>(a.H * scratch)) vs.resize(a.H * scratch);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / a.N, n = i % a.N, H = a.H, S = a.L;
+#ifdef __AVX512BF16__
+      if (dot) {  // K and V as bfloat16 pairs in the scratch kt (K's first, V's after)
+        const int64_t E = a.extent[b * S], H2 = H / 2, pairs = (E + 1) / 2;
+        uint32_t* kp = reinterpret_cast<uint32_t*>(kt.data());  // [H / 2][scratch]
+        uint32_t* vp = kp + H2 * scratch;                         // [pairs][H]
+        const float* kin = x + b * S * C + a.N * H + n * H;
+        const float* vin = x + b * S * C + 2 * a.N * H + n * H;
+        const int64_t reach = (E + 15) / 16 * 16;  // the slots the logits read (<= scratch)
+        for (int64_t l0 = 0; l0 < reach; l0 += 16) {  // 16 slots' pairs, then their columns
+          alignas(64) uint32_t rows[16][64];
+          for (int64_t l = l0; l < l0 + 16; ++l) {
+            if (l < E) {
+              for (int64_t h = 0; h < H; h += 32) PairsOf32(kin + l * C + h, rows[l - l0] + h / 2);
+            } else {
+              std::fill(rows[l - l0], rows[l - l0] + H2, 0u);
+            }
+          }
+          for (int64_t hp = 0; hp < H2; ++hp)
+            for (int64_t l = l0; l < l0 + 16; ++l) kp[hp * scratch + l] = rows[l - l0][hp];
+        }
+        for (int64_t lp = 0; lp < pairs; ++lp) {
+          const float* r0 = vin + 2 * lp * C;
+          const float* r1 = 2 * lp + 1 < E ? r0 + C : nullptr;
+          for (int64_t h = 0; h < H; h += 16)
+            PairsOf16x2(r0 + h, r1 == nullptr ? nullptr : r1 + h, vp + lp * H + h);
+        }
+        for (int64_t t = 0; t < a.T; t += kAttTile)
+          kAttendTilesDot[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kp, vp);
+        continue;
+      }
+#endif
       // K of this row and head, transposed: kt[h * S + l] (the slots the logits read)
       const int64_t reach = std::min(S, (a.extent[b * S] + kAttLanes - 1) / kAttLanes * kAttLanes);
       const float* kin = x + b * S * C + a.N * H + n * H;
-      for (int64_t l = 0; l < reach; ++l)
-        for (int64_t h = 0; h < H; ++h) kt[h * S + l] = kin[l * C + h];
-      const float* v = x + b * S * C + 2 * a.N * H + n * H;
+      for (int64_t l0 = 0; l0 < reach; l0 += 16)  // blocks of slots: contiguous writes per h
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t l = l0; l < std::min(reach, l0 + 16); ++l) kt[h * S + l] = kin[l * C + h];
+      // V of this row and head, contiguous (the rows of qkv lie 3 N H floats apart: a page
+      // or more for a wide model, so reading V in place misses the TLB at every slot)
+      const float* vin = x + b * S * C + 2 * a.N * H + n * H;
+      for (int64_t l = 0; l < a.extent[b * S]; ++l)
+        std::memcpy(vs.data() + l * H, vin + l * C, H * sizeof(float));
       for (int64_t t = 0; t < a.T; t += kAttTile)
-        kAttendTiles[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kt.data(), v);
+        kAttendTiles[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kt.data(),
+                                                  vs.data());
     }
   };
   const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};
@@ -1232,7 +1382,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSelfAttention, SelfAttend,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // [B, S, N, H]
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("heads")
-                                  .Attr<int64_t>("has_bias"));
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<int64_t>("dot"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeKvLayout, KvLayout,
                               ffi::Ffi::Bind()

@@ -273,14 +273,21 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
       has_bias=np.int64(has_bias))
 
 
-def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int) -> jax.Array:
+def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = False
+                   ) -> jax.Array:
   """An encoder layer's self-attention read from its joined query/key/value product
   qkv [B, S, 3 N H] (query, key, value columns, heads in order) where it lies: no
   transposed copy of K or V is made (each (row, head) transposes its K in the kernel's
   scratch). bias_NR [N, 2 S - 1] or None: the relative-position bias by key - query
   (query t, key l: bias_NR[:, S - 1 - t + l]); mask_BS [B, S]: the keys each row's queries
   see. -> [B, S, N, H] float32, the same bits as `attention` over the split q, K, V, the
-  full bias and the mask broadcast to every query."""
+  full bias and the mask broadcast to every query.
+
+  dot: both products in bfloat16 dot products (AVX512-BF16; `has_bfloat16_dot`): q, K, the
+  softmax's weights and V rounded to bfloat16, pairs summed in float32 (twice the
+  multiply-adds per instruction), the softmax in float32; head_dim a multiple of 32. For a
+  set-up whose products run in bfloat16 already (`T5.setup_kernel_weights`
+  'bfloat16_dot'), as an encoder on a TPU attends."""
   reason = _register()
   if reason is not None:
     raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
@@ -291,12 +298,18 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int) -> jax.Array:
   has_bias = bias_NR is not None
   if has_bias and tuple(bias_NR.shape) != (N, 2 * S - 1):
     raise ValueError(f"self_attention: want bias [{N}, {2 * S - 1}], got {tuple(bias_NR.shape)}")
+  if dot and not has_bfloat16_dot():
+    raise RuntimeError(f"self_attention(dot=True) needs a CPU with AVX512-BF16; "
+                       f"{cpu_info()['model']} has {cpu_info()['features']}")
+  if dot and ((C // (3 * N)) % 32 or C // (3 * N) > 128):
+    raise ValueError(f"self_attention(dot=True) needs a head_dim that is a multiple of 32, at "
+                     f"most 128; got {C // (3 * N)}")
   bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))
   mask = jnp.broadcast_to(mask_BS, (B, S)).astype(bool)
   out = jax.ShapeDtypeStruct((B, S, N, C // (3 * N)), jnp.float32)
   return jax.ffi.ffi_call(_SELF_ATTENTION_TARGET[0], out, vmap_method="sequential")(
       qkv_BSC.astype(jnp.float32), bias, mask, threads=np.int64(_threads()), heads=np.int64(N),
-      has_bias=np.int64(has_bias))
+      has_bias=np.int64(has_bias), dot=np.int64(bool(dot)))
 
 
 def kv_layout(kv_BSC, num_heads: int) -> tuple[jax.Array, jax.Array]:

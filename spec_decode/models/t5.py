@@ -469,8 +469,11 @@ class T5(base.ParamSpecs):
     CPU's multiply-adds, not by reading the weights as a decode step is: 'same' (default:
     as `kernel_weights`), one of `kernel_weights`' settings, or 'bfloat16_dot_if_supported'
     ('bfloat16_dot' on a CPU with AVX512-BF16, else 'same'; for configs that run
-    anywhere). Anything but 'same' changes the model's function (the encoder's states);
-    every decoder of an experiment uses the same model, so their comparison stays exact.
+    anywhere). With bfloat16 dot products the encoder's attention between them runs in
+    them too (`cpu_matmul.self_attention(dot=True)`: q, K, the weights and V in bfloat16,
+    float32 sums, as an encoder on a TPU attends). Anything but 'same' changes the model's
+    function (the encoder's states); every decoder of an experiment uses the same model, so
+    their comparison stays exact.
   """
   config: T5Config
   stream_params: bool = False
@@ -668,12 +671,17 @@ class T5(base.ParamSpecs):
       attend = _attention_for(p)
       if attend is _attend_kernel and JOINED_QKV in a:
         # the kernel reads q, K and V where the joined product left them (no transposes)
-        qkv = unpack(self._dense(h, a[JOINED_QKV]["kernel"], rows))
+        kernel = a[JOINED_QKV]["kernel"]
+        qkv = unpack(self._dense(h, kernel, rows))
         if toeplitz is None:
           toeplitz = self._relpos_bias(
               self._get(enc["relpos_bias"]["rel_embedding"], encoder_tokens),
               jnp.arange(1 - S, S)[None], bidirectional=True)[:, 0]  # [N, 2S - 1]
-        out = cpu_matmul.self_attention(qkv, toeplitz, mask_BS, c.num_heads).astype(qkv.dtype)
+        # products in bfloat16 dot products (setup_kernel_weights 'bfloat16_dot'): so is
+        # the attention between them, where the head_dim allows
+        dot = kernel.pairs and c.head_dim % 32 == 0 and c.head_dim <= 128
+        out = cpu_matmul.self_attention(qkv, toeplitz, mask_BS, c.num_heads,
+                                        dot=dot).astype(qkv.dtype)
       else:
         q, k, v = (unpack(y) for y in self._heads(h, a, ("query", "key", "value"), rows))
         out = attend(q, *_kv_layout(k, v), bias, attn_mask)
