@@ -874,11 +874,12 @@ def test_t5_attends_in_the_kernel_where_packed(pack_small):
 
 @needs_kernel
 @pytest.mark.parametrize("packed_rows", [False, True])
-def test_t5_encoder_attends_in_the_kernel_where_packed(pack_small, packed_rows):
+def test_t5_encoder_attends_in_the_kernel_where_packed(pack_small, packed_rows, monkeypatch):
   """The encoder's attention runs in the kernel too where its weights are packed, each row
   over its real tokens only (rows of 9, 5 and 2 tokens padded to 12, encoded padded or
   packed): the real tokens' states match XLA's dots' up to rounding, padding stays zeros
   where packed."""
+  monkeypatch.setattr(t5, "SET_UP_LAYOUT_MIN_LENGTH", 0)
   model, params = _mini()
   stored = model.decode_params(params)
   lengths = np.array([9, 5, 2])
@@ -962,6 +963,7 @@ def test_t5_set_up_without_transposed_copies(pack_small, monkeypatch, packed_row
   cross-attention's K/V into the cache's layouts in the kernel (`kv_layout`): the encoder
   states and every cache entry are the bits of the split path (XLA's transposes, the decode
   attention), padded or packed, and no transposed copy of K is left to XLA in the set-up."""
+  monkeypatch.setattr(t5, "SET_UP_LAYOUT_MIN_LENGTH", 0)  # the tests' inputs are short
   model, params = _mini()
   stored = model.decode_params(params)
   enc = np.array(jax.random.randint(jax.random.PRNGKey(4), (3, 12), 2, 100))
@@ -973,6 +975,11 @@ def test_t5_set_up_without_transposed_copies(pack_small, monkeypatch, packed_row
   assert "spec_decode_self_attention" in hlo and "spec_decode_kv_layout" in hlo
   assert "spec_decode_decode_attention" not in hlo
   new = jax.tree.leaves(set_up(stored))
+  monkeypatch.setattr(t5, "SET_UP_LAYOUT_MIN_LENGTH", 13)  # 12 positions: the split path
+  jax.clear_caches()
+  assert jax.tree.leaves(set_up(stored))[0] is not None
+  assert "spec_decode_kv_layout" not in jax.jit(set_up).lower(stored).as_text()
+  monkeypatch.setattr(t5, "SET_UP_LAYOUT_MIN_LENGTH", 0)
   monkeypatch.setattr(t5, "JOINED_QKV", "no such kernel")  # the split path
   monkeypatch.setattr(t5, "JOINED_KV", "no such kernel")
   jax.clear_caches()

@@ -429,6 +429,15 @@ def _real_rows(mask_BS, packed_index=None):
   return jnp.max(jnp.where(flat, jnp.arange(1, flat.size + 1, dtype=jnp.int32), 0))
 
 
+# Inputs of at least this many positions (after trimming) run the set-up without XLA's
+# transposed copies (`cpu_matmul.self_attention`, `cpu_matmul.kv_layout`); shorter ones keep
+# the split path. Measured where the copies cost (the CNN/DM target's 320-token articles:
+# ~40 copies of 60-100 us each, the set-up 22.2 -> 20.4-21.2 ms); on the 32-token EnDe
+# inputs, where the copies are small, the EnDe main job's runs spread more than any gain
+# (AMD EPYC family 26), so they keep the path they had. Read when a function is traced.
+SET_UP_LAYOUT_MIN_LENGTH = 128
+
+
 def _kv_layout(k_BLNH, v_BLNH):
   """Projected K and V [B, L, N, H] in the cache's layouts: K [B, N, H, L], V [B, N, L, H]."""
   return jnp.transpose(k_BLNH, (0, 2, 3, 1)), jnp.swapaxes(v_BLNH, 1, 2)
@@ -669,7 +678,7 @@ class T5(base.ParamSpecs):
       h = _Normed(x, p["pre_attention_layer_norm"]["scale"], c.layer_norm_epsilon)
       a = p["attention"]
       attend = _attention_for(p)
-      if attend is _attend_kernel and JOINED_QKV in a:
+      if attend is _attend_kernel and JOINED_QKV in a and S >= SET_UP_LAYOUT_MIN_LENGTH:
         # the kernel reads q, K and V where the joined product left them (no transposes)
         kernel = a[JOINED_QKV]["kernel"]
         qkv = unpack(self._dense(h, kernel, rows))
@@ -779,7 +788,8 @@ class T5(base.ParamSpecs):
     unpack = lambda y: y if packed_index is None else _unpack_rows(y[0], packed_index, B, S)
     h = encoder_hidden_BSD if packed_index is None else _pack_rows(encoder_hidden_BSD,
                                                                    packed_index)[None]
-    if isinstance(a.get(JOINED_KV, {}).get("kernel"), cpu_matmul.PackedKernel):
+    if (isinstance(a.get(JOINED_KV, {}).get("kernel"), cpu_matmul.PackedKernel)
+        and S >= SET_UP_LAYOUT_MIN_LENGTH):
       # one product, copied into the cache's layouts on the kernel's threads
       k, v = cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
                                   self.config.num_heads)
