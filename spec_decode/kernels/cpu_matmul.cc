@@ -563,6 +563,20 @@ void Parallel(int64_t count, int64_t chunk, int64_t helpers, ffi::ThreadPool& po
   stats->call_ns += end - shared->start_ns;
 }
 
+// items(0, count) on the calling thread when `alone` (or with one item, or one usable CPU),
+// else shared with helpers from XLA's pool (at most `threads` threads in all, one per usable
+// CPU), about 4 shares per thread: the attention kernels' split over (row, head) items.
+void RunItems(ffi::ThreadPool& pool, int64_t threads, int64_t count, bool alone,
+              const std::function<void(int64_t, int64_t)>& items) {
+  const int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
+  if (alone || count < 2 || helpers <= 0) {
+    items(0, count);
+    return;
+  }
+  Parallel(count, std::max<int64_t>(1, count / (4 * (helpers + 1))), helpers, pool, items,
+           nullptr);
+}
+
 template <typename T>
 void Run(const Problem<T>& problem, Variant variant, int64_t num_panels, int64_t helpers,
          ffi::ThreadPool* pool) {
@@ -912,7 +926,6 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                                                   a.k + i * a.H * a.L, a.v + i * a.L * a.H);
   };
   const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};  // K and V read
-  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
   // A second thread pays for enough multiply-adds (2 per slot and feature), or for enough
   // bytes of K and V: in a decode step they come from memory (the layers' weights streamed
   // through the caches since the step before), where one thread reads them at a fraction of
@@ -921,13 +934,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   // verify of 6 tokens 7%, batch 8's step 14%, and 25% for the CNN/DM target's one-query
   // step over ~300 article positions; the small drafts' steps, CNN/DM's with its
   // cross-attention now split, did not move: AMD EPYC family 26, in one process.)
-  if ((work * N * H < (1 << 18) && kv_bytes < kAttSplitBytes) || B * N < 2) helpers = 0;
-  if (helpers <= 0) {
-    heads(0, B * N);
-  } else {
-    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, heads,
-             nullptr);
-  }
+  RunItems(pool, threads, B * N, work * N * H < (1 << 18) && kv_bytes < kAttSplitBytes, heads);
   return ffi::Error::Success();
 }
 
@@ -1133,14 +1140,8 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
     }
   };
   const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};
-  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
-  if ((widest * S * N * H < (1 << 18) && kv_bytes < kAttSplitBytes) || B * N < 2) helpers = 0;
-  if (helpers <= 0) {
-    items(0, B * N);
-  } else {
-    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, items,
-             nullptr);
-  }
+  RunItems(pool, threads, B * N, widest * S * N * H < (1 << 18) && kv_bytes < kAttSplitBytes,
+           items);
   return ffi::Error::Success();
 }
 
@@ -1182,14 +1183,7 @@ ffi::Error KvLayout(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> kv, ffi::ResultB
       }
     }
   };
-  int64_t helpers = std::min({threads, int64_t{pool.num_threads()}, UsableCpus()}) - 1;
-  if (B * S * C * int64_t{sizeof(float)} < kAttSplitBytes || B * N < 2) helpers = 0;
-  if (helpers <= 0) {
-    items(0, B * N);
-  } else {
-    Parallel(B * N, std::max<int64_t>(1, B * N / (4 * (helpers + 1))), helpers, pool, items,
-             nullptr);
-  }
+  RunItems(pool, threads, B * N, B * S * C * int64_t{sizeof(float)} < kAttSplitBytes, items);
   return ffi::Error::Success();
 }
 
