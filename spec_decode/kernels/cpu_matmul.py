@@ -273,6 +273,19 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
       has_bias=np.int64(has_bias))
 
 
+def _joined_heads(x_BSC, num_heads: int, parts: int, what: str) -> tuple[int, int, int, int]:
+  """(B, S, N, H) of a joined product [B, S, parts x N x H] of `parts` projections, after
+  checking that the kernel is available and the columns split into num_heads heads."""
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
+  B, S, C = x_BSC.shape
+  N = int(num_heads)
+  if N < 1 or C % (parts * N):
+    raise ValueError(f"{what} has {C} columns, not {parts} x {N} heads x head_dim")
+  return B, S, N, C // (parts * N)
+
+
 def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = False
                    ) -> jax.Array:
   """An encoder layer's self-attention read from its joined query/key/value product
@@ -288,25 +301,19 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = Fal
   multiply-adds per instruction), the softmax in float32; head_dim a multiple of 32. For a
   set-up whose products run in bfloat16 already (`T5.setup_kernel_weights`
   'bfloat16_dot'), as an encoder on a TPU attends."""
-  reason = _register()
-  if reason is not None:
-    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
-  B, S, C = qkv_BSC.shape
-  N = int(num_heads)
-  if N < 1 or C % (3 * N):
-    raise ValueError(f"self_attention: qkv has {C} columns, not 3 x {N} heads x head_dim")
+  B, S, N, H = _joined_heads(qkv_BSC, num_heads, 3, "self_attention: qkv")
   has_bias = bias_NR is not None
   if has_bias and tuple(bias_NR.shape) != (N, 2 * S - 1):
     raise ValueError(f"self_attention: want bias [{N}, {2 * S - 1}], got {tuple(bias_NR.shape)}")
   if dot and not has_bfloat16_dot():
     raise RuntimeError(f"self_attention(dot=True) needs a CPU with AVX512-BF16; "
                        f"{cpu_info()['model']} has {cpu_info()['features']}")
-  if dot and ((C // (3 * N)) % 32 or C // (3 * N) > 128):
+  if dot and (H % 32 or H > 128):
     raise ValueError(f"self_attention(dot=True) needs a head_dim that is a multiple of 32, at "
-                     f"most 128; got {C // (3 * N)}")
+                     f"most 128; got {H}")
   bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))
   mask = jnp.broadcast_to(mask_BS, (B, S)).astype(bool)
-  out = jax.ShapeDtypeStruct((B, S, N, C // (3 * N)), jnp.float32)
+  out = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
   return jax.ffi.ffi_call(_SELF_ATTENTION_TARGET[0], out, vmap_method="sequential")(
       qkv_BSC.astype(jnp.float32), bias, mask, threads=np.int64(_threads()), heads=np.int64(N),
       has_bias=np.int64(has_bias), dot=np.int64(bool(dot)))
@@ -316,14 +323,7 @@ def kv_layout(kv_BSC, num_heads: int) -> tuple[jax.Array, jax.Array]:
   """A joined key/value product kv [B, S, 2 N H] (key columns, then value columns) in a
   decode cache's layouts: (K [B, N, H, S], V [B, N, S, H]) float32, exact copies made on the
   kernel's threads (XLA's transposes of them run on one)."""
-  reason = _register()
-  if reason is not None:
-    raise RuntimeError(f"the CPU decoding kernel is unavailable ({reason})")
-  B, S, C = kv_BSC.shape
-  N = int(num_heads)
-  if N < 1 or C % (2 * N):
-    raise ValueError(f"kv_layout: kv has {C} columns, not 2 x {N} heads x head_dim")
-  H = C // (2 * N)
+  B, S, N, H = _joined_heads(kv_BSC, num_heads, 2, "kv_layout: kv")
   outs = (jax.ShapeDtypeStruct((B, N, H, S), jnp.float32),
           jax.ShapeDtypeStruct((B, N, S, H), jnp.float32))
   return tuple(jax.ffi.ffi_call(_KV_LAYOUT_TARGET[0], outs, vmap_method="sequential")(
