@@ -796,10 +796,7 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   typedef uint8_t AttB __attribute__((vector_size(kAttLanes)));
   // Slot chunks (logits) and feature chunks (values) a pass takes at once: count x G
   // independent accumulator chains, so that few queries still cover the FMA latency.
-  constexpr int64_t G = count >= 8                ? 1
-                        : kAttLanes == 16 && count <= 6 ? 4  // 24 accumulators of 32 registers
-                        : count >= 4                ? 2
-                                                    : 4;
+  constexpr int64_t G = count >= 8 ? 1 : count >= 4 ? 2 : 4;
   const int64_t H = a.H, L = a.L;
   const int64_t* extent = a.extent + b * a.T + t0;
   const int64_t E = *std::max_element(extent, extent + count);
