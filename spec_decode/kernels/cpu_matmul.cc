@@ -839,17 +839,14 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   SoftmaxTile<count>(a, b, n, t0, s, stride, extent);
   // weights x values: per feature chunk, over slots in order (each query's own slots only:
   // a weight that is 0 inside its extent adds an exact 0)
-  // GV feature chunks per pass over the slots: with 16-wide vectors (32 registers) up to 6
-  // queries take 4 chunks (a 64-wide head in one pass over V), more take 2.
-  constexpr int64_t GV = kAttLanes == 16 ? (count <= 6 ? 4 : 2) : G;
-  for (int64_t h0 = 0; h0 < H; h0 += GV * kAttLanes) {
-    int64_t width[GV];
-    for (int64_t g = 0; g < GV; ++g)
+  for (int64_t h0 = 0; h0 < H; h0 += G * kAttLanes) {
+    int64_t width[G];
+    for (int64_t g = 0; g < G; ++g)
       width[g] = std::clamp<int64_t>(H - h0 - g * kAttLanes, 0, kAttLanes);
-    AttV acc[count][GV] = {};
+    AttV acc[count][G] = {};
     auto slot = [&](int64_t l, bool every) {
-      AttV rv[GV];
-      for (int64_t g = 0; g < GV; ++g) {
+      AttV rv[G];
+      for (int64_t g = 0; g < G; ++g) {
         rv[g] = AttV{};
         if (width[g] == kAttLanes) {
           rv[g] = Bits<AttV>(v + l * v_row + h0 + g * kAttLanes);
@@ -860,14 +857,14 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
       for (int64_t i = 0; i < count; ++i) {
         if (!every && l >= extent[i]) continue;
         const AttV w = s[i * stride + l] - AttV{};
-        for (int64_t g = 0; g < GV; ++g) acc[i][g] = Fma(w, rv[g], acc[i][g]);
+        for (int64_t g = 0; g < G; ++g) acc[i][g] = Fma(w, rv[g], acc[i][g]);
       }
     };
     for (int64_t l = 0; l < E_all; ++l) slot(l, true);
     for (int64_t l = E_all; l < E; ++l) slot(l, false);
     for (int64_t i = 0; i < count; ++i) {
       float* o = a.out + ((b * a.T + t0 + i) * a.N + n) * H + h0;
-      for (int64_t g = 0; g < GV && width[g] > 0; ++g) {
+      for (int64_t g = 0; g < G && width[g] > 0; ++g) {
         float tmp[kAttLanes];
         std::memcpy(tmp, &acc[i][g], sizeof(tmp));
         std::memcpy(o + g * kAttLanes, tmp, width[g] * sizeof(float));
