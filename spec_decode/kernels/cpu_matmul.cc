@@ -792,8 +792,6 @@ inline void SoftmaxTile(const Attention& a, int64_t b, int64_t n, int64_t t0, fl
 template <int64_t count>
 void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride,
                 const float* k, const float* v) {
-  typedef int32_t AttI __attribute__((vector_size(sizeof(AttV))));
-  typedef uint8_t AttB __attribute__((vector_size(kAttLanes)));
   // Slot chunks (logits) and feature chunks (values) a pass takes at once: count x G
   // independent accumulator chains, so that few queries still cover the FMA latency.
   constexpr int64_t G = count >= 8 ? 1 : count >= 4 ? 2 : 4;
@@ -1040,7 +1038,7 @@ constexpr AttendTileDotFn kAttendTilesDot[kAttTile + 1] = {
 // of every position of row b, with q, K and V read where the joined query/key/value
 // product left them: qkv [B, S, 3 N H] (query, key and value columns, heads in order). No
 // transposed copy of K or V is made outside the kernel: each (row, head) item transposes its
-// K and copies its V into a thread's scratch (in cache) and reads q in place. bias [N, 2 S - 1] (T5's
+// K into a thread's scratch (in cache) and reads V and q in place. bias [N, 2 S - 1] (T5's
 // relative-position bias depends on key - query only): query t's bias over keys l is
 // bias[n, S - 1 - t + l]. mask [B, S]: the keys each query of row b sees. The same
 // `AttendTile` as decode steps, so the same bits as `Attend` over K, V, the full bias and
@@ -1078,7 +1076,7 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
   Attention a{x, nullptr, nullptr, has_bias ? bias.typed_data() + (S - 1) : nullptr, m,
               extent.data(), out->typed_data(), B, S, N, H, S, 1};
   a.q_row = C;
-  a.v_row = H;  // V copied per item into contiguous scratch
+  a.v_row = C;
   a.bias_b = 0;
   a.bias_n = 2 * S - 1;
   a.bias_t = -1;
@@ -1086,10 +1084,9 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
   a.mask_t = 0;
   const int64_t scratch = (S + kAttLanes - 1) / kAttLanes * kAttLanes;
   auto items = [&a, x, C, scratch, dot](int64_t i0, int64_t i1) {  // items: (b, n) pairs
-    thread_local std::vector<float> s, kt, vs;
+    thread_local std::vector<float> s, kt;
     if (s.size() < static_cast<size_t>(kAttTile * scratch)) s.resize(kAttTile * scratch);
     if (kt.size() < static_cast<size_t>(a.H * scratch)) kt.resize(a.H * scratch);
-    if (vs.size() < static_cast<size_t>(a.H * scratch)) vs.resize(a.H * scratch);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / a.N, n = i % a.N, H = a.H, S = a.L;
 #ifdef __AVX512BF16__
@@ -1129,14 +1126,9 @@ ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buff
       for (int64_t l0 = 0; l0 < reach; l0 += 16)  // blocks of slots: contiguous writes per h
         for (int64_t h = 0; h < H; ++h)
           for (int64_t l = l0; l < std::min(reach, l0 + 16); ++l) kt[h * S + l] = kin[l * C + h];
-      // V of this row and head, contiguous (the rows of qkv lie 3 N H floats apart: a page
-      // or more for a wide model, so reading V in place misses the TLB at every slot)
-      const float* vin = x + b * S * C + 2 * a.N * H + n * H;
-      for (int64_t l = 0; l < a.extent[b * S]; ++l)
-        std::memcpy(vs.data() + l * H, vin + l * C, H * sizeof(float));
+      const float* v = x + b * S * C + 2 * a.N * H + n * H;  // V read in place
       for (int64_t t = 0; t < a.T; t += kAttTile)
-        kAttendTiles[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kt.data(),
-                                                  vs.data());
+        kAttendTiles[std::min(kAttTile, a.T - t)](a, b, n, t, s.data(), scratch, kt.data(), v);
     }
   };
   const int64_t kv_bytes = widest * N * H * 2 * int64_t{sizeof(float)};

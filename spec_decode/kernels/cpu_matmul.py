@@ -286,6 +286,11 @@ def _joined_heads(x_BSC, num_heads: int, parts: int, what: str) -> tuple[int, in
   return B, S, N, C // (parts * N)
 
 
+def dot_attention_head_dim(head_dim: int) -> bool:
+  """Whether `self_attention(dot=True)` takes heads of `head_dim` (pairs of 16-lane chunks)."""
+  return head_dim % 32 == 0 and head_dim <= 128
+
+
 def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = False
                    ) -> jax.Array:
   """An encoder layer's self-attention read from its joined query/key/value product
@@ -308,7 +313,7 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = Fal
   if dot and not has_bfloat16_dot():
     raise RuntimeError(f"self_attention(dot=True) needs a CPU with AVX512-BF16; "
                        f"{cpu_info()['model']} has {cpu_info()['features']}")
-  if dot and (H % 32 or H > 128):
+  if dot and not dot_attention_head_dim(H):
     raise ValueError(f"self_attention(dot=True) needs a head_dim that is a multiple of 32, at "
                      f"most 128; got {H}")
   bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))

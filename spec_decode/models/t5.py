@@ -688,7 +688,7 @@ class T5(base.ParamSpecs):
               jnp.arange(1 - S, S)[None], bidirectional=True)[:, 0]  # [N, 2S - 1]
         # products in bfloat16 dot products (setup_kernel_weights 'bfloat16_dot'): so is
         # the attention between them, where the head_dim allows
-        dot = kernel.pairs and c.head_dim % 32 == 0 and c.head_dim <= 128
+        dot = kernel.pairs and cpu_matmul.dot_attention_head_dim(c.head_dim)
         out = cpu_matmul.self_attention(qkv, toeplitz, mask_BS, c.num_heads,
                                         dot=dot).astype(qkv.dtype)
       else:
@@ -791,9 +791,8 @@ class T5(base.ParamSpecs):
     if (isinstance(a.get(JOINED_KV, {}).get("kernel"), cpu_matmul.PackedKernel)
         and S >= SET_UP_LAYOUT_MIN_LENGTH):
       # one product, copied into the cache's layouts on the kernel's threads
-      k, v = cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
+      return cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
                                   self.config.num_heads)
-      return k.astype(self.config.dtype), v.astype(self.config.dtype)
     return _kv_layout(*(unpack(y) for y in self._heads(h, a, ("key", "value"), rows)))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
