@@ -27,6 +27,12 @@ from spec_decode.models import delayed as delay
 from spec_decode.models.testing import MarkovDecoder
 
 
+def _run_dirs(runs_dir, prefix):
+  """The run directories under `runs_dir` (any scale) whose names start with `prefix`."""
+  return sorted(os.path.join(root, d) for root, dirs, _ in os.walk(runs_dir) for d in dirs
+                if d.startswith(prefix))
+
+
 def _rows(md_path):
   """Data rows of the first markdown table in a file, as lists of cells."""
   return _rows_of(open(md_path, encoding="utf-8").read())
@@ -289,8 +295,17 @@ def test_reproduce_tables_2_to_5_tiny(out):
                              rtol=1e-6)
   np.testing.assert_allclose(run4["cost_model"], theory.expected_tokens(run4["alpha"], 7)
                              / (7 * run4["c"] + run4["verify_ratio"]), rtol=1e-6)
-  assert 0.0 <= run4["setup_fraction"] < 1.0 and run4["setup_model"] > 0
-  assert run4["setup_measured"]  # the run timed its set-up
+  assert run4["setup_measured"] and run4["setup_model"] > 0  # the run timed its set-up
+  # The fraction is the run's timed set-up over its autoregressive seconds per example. Both
+  # are wall-clock; on a tiny model under load the separately timed set-up call can exceed
+  # the whole fused decode, so the test checks the arithmetic, not a bound on the timing.
+  (summary_path,) = [os.path.join(d, "results.json") for d in _run_dirs(out["runs"],
+                                                                        "ende_small_t1_g7-")]
+  timing = _json(summary_path)["timing"]
+  np.testing.assert_allclose(
+      run4["setup_fraction"],
+      timing["setup_seconds"]["target"] / (timing["autoregressive_seconds"]
+                                           / _json(summary_path)["completed"]), rtol=1e-6)
   np.testing.assert_allclose(run4["setup_efficiency"], run4["speed"] / run4["setup_model"],
                              rtol=1e-6)
   small3 = next(r for r in t3 if r["draft"] == "T5-small" and r["target"] == "T5-XXL EnDe")
