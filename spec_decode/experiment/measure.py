@@ -50,7 +50,8 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
 
   in_loop: also time each drafting decoder's proposals each followed by its verify call
   (K + 1 tokens; `Drafter.proposal_loop(verify_tokens=...)`), giving c_in_loop[name] =
-  (that loop's cost - the verify call's) / (gamma T_p), floored at 0: a proposal's cost
+  (that loop's cost - the verify call's) / (gamma T_p), the median over rounds, at least
+  the proposal's own c (`_in_loop_c`): a proposal's cost
   where the decoding loop runs it, after the target's weights went through the caches. A
   draft whose weights fit the CPU's last-level cache alone but not beside the target's
   (measured: the big EnDe target's first layer and an exit adapter, 14 MB beside 52 MB
@@ -83,23 +84,36 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   spreads = {name: timing.spread(v) for name, v in t.items()}
   median = lambda name: spreads[name]["median"]
   per_round = lambda num, scale=1.0: timing.spread([a / (scale * b) for a, b in zip(num, t_p)])
+  c_alone = {n: median(f"proposal:{n}") / (a.gamma * median("target"))
+             for n, a in drafting.items()}
   out = {}
   if in_loop:
     out["proposal_in_loop"] = {n: spreads[f"proposal+verify:{n}"] for n in drafting}
-    out["c_in_loop"] = {
-        n: max(0.0, median(f"proposal+verify:{n}") - median(f"verify:{a.max_proposal + 1}"))
-        / (a.gamma * median("target")) for n, a in drafting.items()}
+    out["c_in_loop"] = {n: _in_loop_c(t[f"proposal+verify:{n}"],
+                                      t[f"verify:{a.max_proposal + 1}"], t_p, a.gamma,
+                                      floor=c_alone[n]) for n, a in drafting.items()}
   return {
       **out,
       "target_step": spreads["target"],
       "proposal": {n: spreads[f"proposal:{n}"] for n in drafting},
       "verify": {n: spreads[f"verify:{n}"] for n in sizes},
-      "c": {n: median(f"proposal:{n}") / (a.gamma * median("target"))
-            for n, a in drafting.items()},
+      "c": c_alone,
       "c_rounds": {n: per_round(t[f"proposal:{n}"], a.gamma) for n, a in drafting.items()},
       "verify_ratio": {n: median(f"verify:{n}") / median("target") for n in sizes},
       "verify_ratio_rounds": {n: per_round(t[f"verify:{n}"]) for n in sizes},
       "target_loop": loops["target"][0]}
+
+
+def _in_loop_c(with_verify, verify, target, gamma: int, *, floor: float) -> float:
+  """c in the loop from per-round seconds: the median over rounds of (proposal + verify
+  - verify) / (gamma T_p), each round's loops timed in turn, so a slow moment of the
+  machine shifts a round's three values together instead of one median against another;
+  at least `floor`, the proposal's c in its own loop (after a verify call its weights can
+  only be colder, and a difference lost in the noise must not read as a free draft:
+  a run on a noisy 2-core AMD EPYC family 25 read c = 0.000 here and chose its gamma as
+  if drafting cost nothing)."""
+  rounds = [(pv - v) / (gamma * tp) for pv, v, tp in zip(with_verify, verify, target)]
+  return max(floor, float(np.median(rounds)))
 
 
 def measure_step_times(s: setup.Setup, *, repeats: int, verify_tokens=(),
