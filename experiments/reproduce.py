@@ -281,8 +281,15 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
       if None not in (g, alpha, charged, r) and g > 0 and not np.isnan(alpha):
         predicted = float(theory.walltime_improvement(alpha, g, charged))
         cost = float(theory.expected_tokens(alpha, g)) / (g * charged + r)
+      setup = _setup_charged(results.get(row.jobs["run"].key), g, charged)
+      note = _note(row, results)
+      if setup.get("setup_fraction", 0.0) > 1.0:  # two clocks that disagree: say so
+        note = "; ".join(n for n in (note, (
+            f"set-up timed alone {setup['setup_fraction']:.2f}x the autoregressive time per "
+            "example (a separately timed call, noise or its dispatch: not this run's split)"))
+                         if n)
       out.append(dict(row.cells, gamma_ours=g, alpha=alpha, cost_model=cost, **run_costs,
-                      **_setup_charged(results.get(row.jobs["run"].key), g, charged),
+                      **setup,
                       alpha_observed=get(row, "run", "alpha_observed"),
                       c=c, predicted=predicted, verify_ratio=r,
                       speed=get(row, "run", "speedup_measured"),
@@ -290,7 +297,7 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
                       tokens_per_call=get(row, "run", "tokens_per_target_call"),
                       examples=get(row, "run", "completed"),
                       target_ours=" / ".join(l for l in labels if l) or None,
-                      note=_note(row, results)))
+                      note=note))
     notes = ["alpha (ours) = mean over decided draft positions of sum_x min(p, q) (the paper's "
              "definition, on the speculative output, which is distributed as the target's); "
              "speed = autoregressive seconds / speculative seconds on the same examples, "

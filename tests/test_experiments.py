@@ -306,6 +306,8 @@ def test_reproduce_tables_2_to_5_tiny(out):
       run4["setup_fraction"],
       timing["setup_seconds"]["target"] / (timing["autoregressive_seconds"]
                                            / _json(summary_path)["completed"]), rtol=1e-6)
+  # A set-up timed longer than the whole autoregressive decode is flagged in the row's note.
+  assert ("set-up timed alone" in run4["note"]) == (run4["setup_fraction"] > 1.0)
   np.testing.assert_allclose(run4["setup_efficiency"], run4["speed"] / run4["setup_model"],
                              rtol=1e-6)
   small3 = next(r for r in t3 if r["draft"] == "T5-small" and r["target"] == "T5-XXL EnDe")
@@ -1011,3 +1013,27 @@ def test_kernel_variants_times_every_variant_at_every_row_count(tmp_path):
   assert shapes[(c.mlp_dim, c.emb_dim, "float32", False)] == c.num_decoder_layers
   assert {dtype for _, _, dtype, _ in shapes} == {"float32"}
   assert all(c.emb_dim in (K, N) for K, N, _, _ in shapes)
+
+
+def test_table4_flags_a_set_up_timed_longer_than_the_decode():
+  """A run whose separately timed set-up exceeds its autoregressive seconds per example (two
+  clocks that disagree: a tiny model under load) gets a note saying so in Table 4; a
+  consistent one does not."""
+  rows = reproduce.plan(4, reproduce._Args("tiny", "big", "paper", None, None, None, None,
+                                           None, (), 0))
+  row = next(r for r in rows if "run" in r.jobs)
+
+  def entry(setup_seconds):
+    return {"summary": {
+        "completed": 2, "alpha": 0.6, "speedup_measured": 1.1, "mean_output_length": 8.0,
+        "experiment": {"decoders": {"speculative": {"gamma": 3}}},
+        "decoders": {"speculative": {"target_calls": 6}},
+        "timing": {"target_step_seconds": 0.001, "verify_ratio": 1.2, "c": 0.1,
+                   "autoregressive_seconds": 0.02, "speculative_seconds": 0.018,
+                   "setup_seconds": {"target": setup_seconds}}}}
+
+  for setup_seconds, flagged in ((0.002, False), (0.013, True)):  # AR: 10 ms per example
+    _, out, _ = reproduce.render(4, [row], {row.jobs["run"].key: entry(setup_seconds)})
+    (r,) = out
+    np.testing.assert_allclose(r["setup_fraction"], setup_seconds / 0.010)
+    assert ("set-up timed alone 1.30x" in r["note"]) == flagged, r["note"]
