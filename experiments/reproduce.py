@@ -284,10 +284,10 @@ def render(table: int, rows: list[Row], results: dict) -> tuple[list[Column], li
       setup = _setup_charged(results.get(row.jobs["run"].key), g, charged)
       note = _note(row, results)
       if setup.get("setup_fraction", 0.0) > 1.0:  # two clocks that disagree: say so
-        note = "; ".join(n for n in (note, (
-            f"set-up timed alone {setup['setup_fraction']:.2f}x the autoregressive time per "
-            "example (a separately timed call, noise or its dispatch: not this run's split)"))
-                         if n)
+        flag = (f"set-up timed alone {setup['setup_fraction']:.2f}x the autoregressive time "
+                "per example (a separately timed call, noise or its dispatch: not this run's "
+                "split)")
+        note = f"{note}; {flag}" if note else flag
       out.append(dict(row.cells, gamma_ours=g, alpha=alpha, cost_model=cost, **run_costs,
                       **setup,
                       alpha_observed=get(row, "run", "alpha_observed"),

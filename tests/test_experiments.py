@@ -301,11 +301,12 @@ def test_reproduce_tables_2_to_5_tiny(out):
   # the whole fused decode, so the test checks the arithmetic, not a bound on the timing.
   (summary_path,) = [os.path.join(d, "results.json") for d in _run_dirs(out["runs"],
                                                                         "ende_small_t1_g7-")]
-  timing = _json(summary_path)["timing"]
+  summary = _json(summary_path)
+  timing = summary["timing"]
   np.testing.assert_allclose(
       run4["setup_fraction"],
       timing["setup_seconds"]["target"] / (timing["autoregressive_seconds"]
-                                           / _json(summary_path)["completed"]), rtol=1e-6)
+                                           / summary["completed"]), rtol=1e-6)
   # A set-up timed longer than the whole autoregressive decode is flagged in the row's note.
   assert ("set-up timed alone" in run4["note"]) == (run4["setup_fraction"] > 1.0)
   np.testing.assert_allclose(run4["setup_efficiency"], run4["speed"] / run4["setup_model"],

@@ -791,8 +791,9 @@ class T5(base.ParamSpecs):
     if (isinstance(a.get(JOINED_KV, {}).get("kernel"), cpu_matmul.PackedKernel)
         and S >= SET_UP_LAYOUT_MIN_LENGTH):
       # one product, copied into the cache's layouts on the kernel's threads
-      return cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
+      k, v = cpu_matmul.kv_layout(unpack(self._dense(h, a[JOINED_KV]["kernel"], rows)),
                                   self.config.num_heads)
+      return k.astype(self.config.dtype), v.astype(self.config.dtype)  # as the split path's
     return _kv_layout(*(unpack(y) for y in self._heads(h, a, ("key", "value"), rows)))
 
   def decoder_layer(self, p, x_BTD, self_k_BNHL, self_v_BNLH, offsets_B, self_bias, self_mask,
