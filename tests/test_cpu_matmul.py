@@ -1,5 +1,6 @@
 """The weight-streaming CPU decoding kernel (spec_decode/kernels/cpu_matmul)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -149,8 +150,20 @@ def _mini(**overrides):
 
 @needs_kernel
 def test_small_models_keep_xla_dots():
-  model, params = _mini()
-  assert model.decode_params(params) is params  # no kernel of 2**15 elements (96 x 200 at most)
+  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))  # 32 x 64 at most: below 2**12 elements
+  params = model.init(jax.random.PRNGKey(0))
+  assert model.decode_params(params) is params
+  model, params = _mini()  # 96 x 200 at most: packed by default, not above a larger threshold
+  assert not model.decode_params(params) is params
+  bigger = dataclasses.replace(model, packed_min_elements=96 * 200 + 1)
+  assert bigger.decode_params(params) is params
+
+
+def test_packed_min_elements_is_checked():
+  config = t5.T5Config.preset("t5_1_1_tiny")
+  for bad in (-1, 1.5, True, "4096"):
+    with pytest.raises(ValueError, match="packed_min_elements"):
+      t5.T5(config, packed_min_elements=bad)
 
 
 @needs_kernel

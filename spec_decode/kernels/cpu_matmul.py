@@ -89,12 +89,15 @@ _SELF_ATTENTION_TARGET = ("spec_decode_self_attention", "SpecDecodeSelfAttention
 _KV_LAYOUT_TARGET = ("spec_decode_kv_layout", "SpecDecodeKvLayout")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
-# `T5.decode_params`). Measured per product on a 2-core AMD EPYC (1..11 rows, a jitted
-# loop): the kernel is faster for every matrix of 192 x 192 and up (36,864 elements:
-# equal at 1 row, 0.6-0.9x at 2-11 rows; 192 x 512: 0.86x at 1 row, 0.32-0.67x at 2-11),
-# while on 64 x 64 and 64 x 192 matrices XLA's single-row product, a loop it fuses, is
-# 0.1-0.4 us faster than a custom call.
-MIN_PACKED_ELEMENTS = 2 ** 15
+# `T5.decode_params`). Per product, XLA's single-row dot on a 64 x 64 or 64 x 192 matrix is
+# 0.1-0.4 us faster than a custom call (2-core AMD EPYC, a jitted loop), and the kernel wins
+# from 192 x 192 up. But a layer whose matrices are all packed also attends in the kernel
+# (`t5._attention_kernel`) and folds its norms into the products: the 0.44M draft's step
+# (2 layers of 64) runs 48 thunks instead of 133, and each thunk is a cold call right after
+# the target's verify call, which evicts every line and instruction a thunk touches. So every
+# matrix of 64 x 64 and up is packed (`experiments.draft_layout`: a proposal's cost alone and
+# in the loop, and the set-up, per layout; results per CPU in experiments/results).
+MIN_PACKED_ELEMENTS = 2 ** 12
 ENV_DISABLE = "SPEC_DECODE_CPU_KERNELS"
 ENV_CACHE = native.ENV_CACHE
 ENV_THREADS = "SPEC_DECODE_CPU_MATMUL_THREADS"

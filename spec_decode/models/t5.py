@@ -483,11 +483,16 @@ class T5(base.ParamSpecs):
     float32 sums, as an encoder on a TPU attends). Anything but 'same' changes the model's
     function (the encoder's states); every decoder of an experiment uses the same model, so
     their comparison stays exact.
+  packed_min_elements: the smallest weight matrix (in elements) `decode_params` packs for
+    the CPU kernel; None (default): `cpu_matmul.MIN_PACKED_ELEMENTS`. A larger value keeps
+    the small matrices on XLA's dots (and their layers on XLA's attention), for A/B runs of
+    the two layouts (`experiments.draft_layout`); the function is the same either way.
   """
   config: T5Config
   stream_params: bool = False
   kernel_weights: str = "auto"
   setup_kernel_weights: str = "same"
+  packed_min_elements: int | None = None
   supports_packed_encoding = True  # encode(packed_index=): see `base.packing_index`
 
   def __post_init__(self):
@@ -499,6 +504,9 @@ class T5(base.ParamSpecs):
     if self.setup_kernel_weights not in SETUP_WEIGHTS:
       raise ValueError(f"T5.setup_kernel_weights must be one of {SETUP_WEIGHTS}, got "
                        f"{self.setup_kernel_weights!r}")
+    m = self.packed_min_elements
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+      raise ValueError(f"T5.packed_min_elements must be None or an int >= 0, got {m!r}")
 
   @property
   def vocab_size(self) -> int:
@@ -951,22 +959,24 @@ class T5(base.ParamSpecs):
     """`params` laid out for decoding on this backend; the same values.
 
     On XLA:CPU with float32 weights, every encoder and decoder kernel [I, O] of at least
-    `cpu_matmul.MIN_PACKED_ELEMENTS` elements becomes a `cpu_matmul.PackedKernel` (stored
-    as `kernel_weights` says), which the model multiplies by with the weight-streaming CPU
-    kernel (a verify call of gamma + 1 tokens then reads each weight once, as a
-    single-token step does); smaller matrices keep XLA's dot. Elsewhere, when no kernel is
-    that large, when the kernel is unavailable, or for streamed parameters, `params` is
-    returned as is. The packed copy is made once per parameter tree and `kernel_weights`
-    (cached by the leaves' identity), so decoders call this per call.
+    `packed_min_elements` elements (default `cpu_matmul.MIN_PACKED_ELEMENTS`) becomes a
+    `cpu_matmul.PackedKernel` (stored as `kernel_weights` says), which the model multiplies
+    by with the weight-streaming CPU kernel (a verify call of gamma + 1 tokens then reads
+    each weight once, as a single-token step does); smaller matrices keep XLA's dot.
+    Elsewhere, when no kernel is that large, when the kernel is unavailable, or for
+    streamed parameters, `params` is returned as is. The packed copy is made once per
+    parameter tree, `kernel_weights` and threshold (cached by the leaves' identity), so
+    decoders call this per call.
     """
-    threshold = cpu_matmul.MIN_PACKED_ELEMENTS
+    threshold = (cpu_matmul.MIN_PACKED_ELEMENTS if self.packed_min_elements is None
+                 else self.packed_min_elements)
     if (self.stream_params or self.config.dtype != jnp.float32
         or _largest_kernel_elements(self.config) < threshold
         or _PACKED.made(params)
         or not cpu_matmul.available()):
       return params
     return _PACKED.get(params, functools.partial(self._pack, threshold=threshold),
-                       tag=(self.kernel_weights, self._setup_request()))
+                       tag=(self.kernel_weights, self._setup_request(), threshold))
 
   def _setup_request(self) -> str:
     """`setup_kernel_weights` with 'bfloat16_dot_if_supported' decided for this CPU (so a

@@ -1,0 +1,206 @@
+r"""A draft model's proposal where the decoding loop runs it, in two parameter layouts.
+
+  python -m experiments.draft_layout                      # the big EnDe target, its drafts
+  python -m experiments.draft_layout --target demo:cnndm_target_big \
+      --drafts demo:cnndm_small --task synthetic_cnndm --input_length 320
+
+A speculative iteration runs the draft's gamma steps right after the target's verify call,
+which streams the target's weights (99 MB for the 45.6M target in float32) through every
+cache of the CPU. A small draft's step is then bound neither by its weights' bytes nor by
+its arithmetic but by the number of XLA thunks it runs (each a cold call: its code, its
+buffers, its arguments), so it costs more in the loop than in a loop of its own.
+
+For each draft and layout this times, in the same interleaved rounds (`timing.interleaved`,
+marginal cost of one more iteration of a jitted loop, batch 1):
+  alone      one proposal of gamma tokens (the drafter's own `propose`), loop of its own;
+  in loop    a proposal followed by the target's verify call on gamma + 1 tokens, minus
+             the same loop with a proposal of fixed tokens (`FixedProposal`): what the
+             proposal adds where the decoding loop runs it; the median over rounds of the
+             per-round difference, and the difference of the two loops' 10th percentiles
+             (the fastest rounds: other tenants of the machine only ever add time);
+  set-up     the draft's encoder and cross-attention cache per example
+             (`measure.setup_seconds`, median of --repeats calls), on the task's inputs;
+and counts the thunks of the draft's single-token step (the instructions of its compiled
+step loop's body that run as calls: fusions, dots, copies, custom calls).
+
+Layouts (`T5.packed_min_elements`):
+  kernel     the library's default: every weight matrix of `cpu_matmul.MIN_PACKED_ELEMENTS`
+             elements and up packed for the CPU kernel, so such layers attend in the
+             kernel and fold their norms into the products;
+  xla_dots   no matrix of the draft packed (XLA's dots and attention);
+  2**15      the library's threshold before this experiment (packed from 192 x 192 up).
+Writes <results_dir>/draft_layout.{md,csv,json} (--stem to rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, Sequence
+
+from experiments import harness
+from experiments.harness import Column, fmt
+
+LAYOUTS = {"kernel": None, "xla_dots": 2 ** 62, "2**15": 2 ** 15}
+# Instructions of an optimized HLO computation that run as no call of their own.
+_FREE_OPS = {"get-tuple-element", "bitcast", "constant", "tuple", "parameter"}
+
+
+def step_thunks(hlo_text: str) -> int:
+  """Calls in the body of the outermost while loop of an optimized HLO module (a step loop's
+  `compiled_text()`): every instruction but tuples, bitcasts, constants and parameters."""
+  m = re.findall(r"while\([^)]*\), condition=%?[\w.-]+, body=%?([\w.-]+)", hlo_text)
+  if not m:
+    raise ValueError("no while loop in the HLO text")
+  body = re.search(r"^%?" + re.escape(m[-1]) + r" [^\n]*\{\n(.*?)\n\}", hlo_text, re.S | re.M)
+  if body is None:
+    raise ValueError(f"no computation {m[-1]} in the HLO text")
+  ops = re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([\w-]+)\(", body.group(1))
+  return sum(op not in _FREE_OPS for op in ops)
+
+
+def measure(args) -> list[dict[str, Any]]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from spec_decode import decoding
+  from spec_decode.decoding import timing
+  from spec_decode.decoding.drafters.model import ModelDrafter
+  from spec_decode.decoding.types import Proposal
+  from spec_decode.experiment import measure as costs
+  from spec_decode.kernels import cpu_matmul
+
+  @dataclasses.dataclass(frozen=True)
+  class FixedProposal(ModelDrafter):
+    """Proposes the same tokens every time without running the draft: the loop's verify
+    call and bookkeeping alone."""
+
+    def propose(self, ctx, cache, committed, keys_BK, num, forced=None):
+      B = committed.length.shape[0]
+      return Proposal.chain(jnp.full((B, num), 3, jnp.int32) + committed.length[:, None] % 2
+                            ), cache
+
+  if not cpu_matmul.available():
+    raise SystemExit(f"the CPU kernel is unavailable: {cpu_matmul.unavailable_reason()}")
+  models = harness.load_models(args.target, {d: d for d in args.drafts})
+  inputs = harness.task_inputs(args.task, split="test", num_examples=args.setup_examples,
+                               input_length=args.input_length, decode_len=args.cache_length)
+  enc = inputs[:1]
+  G = args.gamma
+  base = dict(target=models.target, target_params=models.target_params, encoder_tokens=enc,
+              cache_length=args.cache_length, position=args.position)
+  workloads, loops = {}, {}
+  fixed = timing.Workload(**base, draft=models.draft(args.drafts[0])[0],
+                          draft_params=models.draft(args.drafts[0])[1])
+  loops["fixed+verify"] = timing.marginal_pair(lambda k: timing.proposal_loop(
+      FixedProposal(), fixed, gamma=G, steps=k, verify_tokens=G + 1), args.steps)
+  drafter = decoding.Speculative(gamma=G).drafter
+  for d in args.drafts:
+    model, params = models.draft(d)
+    for layout in args.layouts:
+      m = dataclasses.replace(model, packed_min_elements=LAYOUTS[layout])
+      # A copy per layout: the packed tree is cached by the leaves' identity.
+      w = timing.Workload(**base, draft=m, draft_params=jax.tree.map(jnp.array, params))
+      workloads[d, layout] = w
+      loops[f"alone:{d}:{layout}"] = timing.marginal_pair(
+          lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k), args.steps)
+      loops[f"loop:{d}:{layout}"] = timing.marginal_pair(
+          lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k,
+                                              verify_tokens=G + 1), args.steps)
+  print(f"timing {len(loops)} loops in {args.repeats} interleaved rounds", flush=True)
+  r = {k: np.asarray(v) for k, v in timing.interleaved(loops, repeats=args.repeats).items()}
+  rows = []
+  for (d, layout), w in workloads.items():
+    step = w.decode_loop("draft", num_tokens=1, steps=2)
+    step()
+    packed = [isinstance(x, cpu_matmul.PackedKernel) for x in jax.tree.leaves(
+        w.draft.decode_params(w.draft_params),
+        is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel))]
+    in_loop = r[f"loop:{d}:{layout}"] - r["fixed+verify"]
+    setup = [costs.setup_seconds(w.draft, w.draft_params, inputs[i:i + 1],
+                                 cache_length=args.cache_length, repeats=args.repeats)["median"]
+             for i in range(len(inputs))]
+    rows.append(dict(
+        draft=d, layout=layout, packed=int(sum(packed)), thunks=step_thunks(step.compiled_text()),
+        alone_ms=1e3 * float(np.median(r[f"alone:{d}:{layout}"])),
+        in_loop_ms=1e3 * float(np.median(in_loop)),
+        in_loop_p25_ms=1e3 * float(np.percentile(in_loop, 25)),
+        in_loop_p75_ms=1e3 * float(np.percentile(in_loop, 75)),
+        in_loop_fastest_ms=1e3 * float(np.percentile(r[f"loop:{d}:{layout}"], 10)
+                                        - np.percentile(r["fixed+verify"], 10)),
+        setup_ms=1e3 * float(np.mean(setup))))
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
+          flush=True)
+  t_p = 1e3 * float(np.median(r["fixed+verify"]))
+  for row in rows:
+    row["verify_loop_ms"] = t_p
+  return rows
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.draft_layout", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default="demo:ende_target_big")
+  p.add_argument("--drafts", default="demo:ende_small,demo:ende_base,demo:ende_large")
+  p.add_argument("--layouts", default="kernel,xla_dots",
+                 help=f"comma-separated, of {', '.join(LAYOUTS)}")
+  p.add_argument("--task", default="synthetic_ende")
+  p.add_argument("--input_length", type=int, default=32)
+  p.add_argument("--cache_length", type=int, default=64)
+  p.add_argument("--position", type=int, default=24, help="cache slots filled")
+  p.add_argument("--gamma", type=int, default=5)
+  p.add_argument("--steps", type=int, default=8, help="iterations of the shorter loop")
+  p.add_argument("--repeats", type=int, default=31, help="interleaved rounds")
+  p.add_argument("--setup_examples", type=int, default=5)
+  p.add_argument("--stem", default="draft_layout")
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
+  args = p.parse_args(list(argv))
+  args.drafts = [d for d in args.drafts.split(",") if d]
+  args.layouts = [x for x in args.layouts.split(",") if x]
+  unknown = [x for x in args.layouts if x not in LAYOUTS]
+  if unknown or not args.layouts:
+    p.error(f"--layouts must name some of {', '.join(LAYOUTS)}, got {unknown or 'none'}")
+  if not args.drafts:
+    p.error("--drafts must name at least one draft")
+  if min(args.gamma, args.steps, args.repeats, args.setup_examples, args.input_length) < 1:
+    p.error("--gamma, --steps, --repeats, --setup_examples and --input_length must be >= 1")
+  if not 0 <= args.position <= args.cache_length - args.gamma - 1:
+    p.error(f"--position must lie in [0, cache_length - gamma - 1], got {args.position}")
+  return args
+
+
+def run(args, meta) -> harness.Output:
+  rows = measure(args)
+  ms = lambda v: f"{v:.3f} ms"
+  cols = [Column("draft", "draft"), Column("layout", "layout"),
+          Column("packed", "packed matrices"), Column("thunks", "thunks per step"),
+          Column("alone_ms", "proposal alone", ms),
+          Column("in_loop_ms", "proposal in the loop", ms),
+          Column("in_loop_p25_ms", "in the loop, 25th pct", ms),
+          Column("in_loop_p75_ms", "75th pct", ms),
+          Column("in_loop_fastest_ms", "in the loop, fastest rounds", ms),
+          Column("setup_ms", "set-up per example", ms)]
+  notes = [f"Target {args.target}; batch 1, gamma {args.gamma}, cache of {args.cache_length} "
+           f"slots filled to {args.position}; {args.repeats} interleaved rounds, each value the "
+           f"marginal cost of one more iteration of a jitted loop ({args.steps} vs "
+           f"{2 * args.steps} iterations).",
+           f"in the loop: (proposal + verify call on {args.gamma + 1} tokens) - (fixed tokens + "
+           f"the same verify call), per round; the latter's median {fmt(rows[0]['verify_loop_ms'], 3)} "
+           "ms. Its 25th-75th percentiles show the machine's noise; a slower neighbour only ever adds "
+           "time, so 'fastest rounds' also gives the difference of the two loops' 10th "
+           "percentiles over the rounds.",
+           f"set-up: the draft's encoder and cross-attention cache, mean over "
+           f"{args.setup_examples} {args.task} test inputs of {args.input_length} tokens of "
+           "each one's median call."]
+  return harness.Output(args.stem, "A draft's proposal in the decoding loop, by layout",
+                        cols, rows, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.draft_layout", argv, parse_args, run)
+
+
+if __name__ == "__main__":
+  main()
