@@ -20,8 +20,9 @@ marginal cost of one more iteration of a jitted loop, batch 1):
              (the fastest rounds: other tenants of the machine only ever add time);
   set-up     the draft's encoder and cross-attention cache per example
              (`measure.setup_seconds`, median of --repeats calls), on the task's inputs;
-and counts the thunks of the draft's single-token step (the instructions of its compiled
-step loop's body that run as calls: fusions, dots, copies, custom calls).
+and counts the thunks of the draft's single-token step (`step_variants.loop_launches`: the
+instructions of its compiled step loop's body that run as calls: fusions, dots, copies,
+custom calls).
 
 Layouts (`T5.packed_min_elements`):
   kernel     the library's default: every weight matrix of `cpu_matmul.MIN_PACKED_ELEMENTS`
@@ -36,29 +37,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from typing import Any, Sequence
 
-from experiments import harness
+from experiments import harness, step_variants
 from experiments.harness import Column, fmt
 
 LAYOUTS = {"kernel": None, "xla_dots": 2 ** 62, "2**15": 2 ** 15}
-# Instructions of an optimized HLO computation that run as no call of their own.
-_FREE_OPS = {"get-tuple-element", "bitcast", "constant", "tuple", "parameter"}
-
-
-def step_thunks(hlo_text: str) -> int:
-  """Calls in the body of the outermost while loop of an optimized HLO module (a step loop's
-  `compiled_text()`): every instruction but tuples, bitcasts, constants and parameters."""
-  m = re.findall(r"while\([^)]*\), condition=%?[\w.-]+, body=%?([\w.-]+)", hlo_text)
-  if not m:
-    raise ValueError("no while loop in the HLO text")
-  body = re.search(r"^%?" + re.escape(m[-1]) + r" [^\n]*\{\n(.*?)\n\}", hlo_text, re.S | re.M)
-  if body is None:
-    raise ValueError(f"no computation {m[-1]} in the HLO text")
-  ops = re.findall(r"=\s*\S+(?:\{[^}]*\})?\s+([\w-]+)\(", body.group(1))
-  return sum(op not in _FREE_OPS for op in ops)
-
 
 def measure(args) -> list[dict[str, Any]]:
   import jax
@@ -71,6 +55,7 @@ def measure(args) -> list[dict[str, Any]]:
   from spec_decode.decoding.types import Proposal
   from spec_decode.experiment import measure as costs
   from spec_decode.kernels import cpu_matmul
+  from spec_decode.models import t5
 
   @dataclasses.dataclass(frozen=True)
   class FixedProposal(ModelDrafter):
@@ -92,13 +77,16 @@ def measure(args) -> list[dict[str, Any]]:
   base = dict(target=models.target, target_params=models.target_params, encoder_tokens=enc,
               cache_length=args.cache_length, position=args.position)
   workloads, loops = {}, {}
-  fixed = timing.Workload(**base, draft=models.draft(args.drafts[0])[0],
-                          draft_params=models.draft(args.drafts[0])[1])
+  first, first_params = models.draft(args.drafts[0])
+  fixed = timing.Workload(**base, draft=first, draft_params=first_params)
   loops["fixed+verify"] = timing.marginal_pair(lambda k: timing.proposal_loop(
       FixedProposal(), fixed, gamma=G, steps=k, verify_tokens=G + 1), args.steps)
   drafter = decoding.Speculative(gamma=G).drafter
   for d in args.drafts:
     model, params = models.draft(d)
+    if not isinstance(model, t5.T5):
+      raise SystemExit(f"--drafts: {d} is a {type(model).__name__}, not a T5 model; the "
+                       "layouts are T5's (`T5.packed_min_elements`)")
     for layout in args.layouts:
       m = dataclasses.replace(model, packed_min_elements=LAYOUTS[layout])
       # A copy per layout: the packed tree is cached by the leaves' identity.
@@ -123,7 +111,8 @@ def measure(args) -> list[dict[str, Any]]:
                                  cache_length=args.cache_length, repeats=args.repeats)["median"]
              for i in range(len(inputs))]
     rows.append(dict(
-        draft=d, layout=layout, packed=int(sum(packed)), thunks=step_thunks(step.compiled_text()),
+        draft=d, layout=layout, packed=int(sum(packed)),
+        thunks=step_variants.loop_launches(step.compiled_text())["total"],
         alone_ms=1e3 * float(np.median(r[f"alone:{d}:{layout}"])),
         in_loop_ms=1e3 * float(np.median(in_loop)),
         in_loop_p25_ms=1e3 * float(np.percentile(in_loop, 25)),
@@ -133,9 +122,9 @@ def measure(args) -> list[dict[str, Any]]:
         setup_ms=1e3 * float(np.mean(setup))))
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
           flush=True)
-  t_p = 1e3 * float(np.median(r["fixed+verify"]))
+  verify_loop = 1e3 * float(np.median(r["fixed+verify"]))
   for row in rows:
-    row["verify_loop_ms"] = t_p
+    row["verify_loop_ms"] = verify_loop
   return rows
 
 

@@ -714,17 +714,46 @@ def test_kernel_threads(out):
 
 
 @pytest.mark.slow
-def test_results_readme(out):
-  path = results_readme.main(["--results_dir", out["results"]])
+def test_draft_layout_packs_the_small_draft_into_fewer_thunks(out):
+  """The small demo draft in the kernel's layout and in XLA's dots, after the 3.7M target's
+  verify call: the kernel's layout packs every matrix and runs fewer thunks per step."""
+  from experiments import draft_layout
+  from spec_decode.kernels import cpu_matmul
+  if not cpu_matmul.available():
+    pytest.skip(cpu_matmul.unavailable_reason())
+  paths = draft_layout.main(["--target", "demo:ende_target", "--drafts", "demo:ende_small",
+                             "--repeats", "1", "--steps", "1", "--setup_examples", "1",
+                             "--results_dir", out["results"]])
+  rows = {r["layout"]: r for r in _json(paths["json"])["rows"]}
+  assert sorted(rows) == ["kernel", "xla_dots"]
+  assert rows["xla_dots"]["packed"] == 0 < rows["kernel"]["packed"]
+  assert rows["kernel"]["thunks"] < rows["xla_dots"]["thunks"]
+  for r in rows.values():
+    assert r["alone_ms"] > 0 and r["setup_ms"] > 0 and r["verify_loop_ms"] > 0
+  for bad in (["--layouts", "fast"], ["--drafts", ""], ["--position", "60"]):
+    with pytest.raises(SystemExit):
+      draft_layout.main(bad + ["--results_dir", out["results"]])
+
+
+def test_results_readme(tmp_path):
+  """A README section per driver output in a results directory (two committed files copied),
+  the not-measured list, and a clear error for a directory that does not exist."""
+  import shutil
+  results = tmp_path / "results"
+  results.mkdir()
+  for stem in ("table_1", "kernel_threads"):
+    for ext in ("json", "md"):
+      shutil.copy(os.path.join(harness.RESULTS_DIR, f"{stem}.{ext}"), results)
+  path = results_readme.main(["--results_dir", str(results)])
   text = open(path).read()
-  for stem in ("table_1", "table_2", "table_5", "ablate_ende", "batch_scaling_ende",
-               "benchmark_tiny"):
-    if os.path.exists(os.path.join(out["results"], f"{stem}.json")):
-      assert f"{stem}.md" in text
+  for stem in ("table_1", "kernel_threads"):
+    assert f"{stem}.md" in text
   assert text.count("Command: `python -m experiments.") >= 2
   assert "Not measured here" in text
   for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
     assert os.path.exists(os.path.join(setups.REPO_ROOT, link)), link
+  with pytest.raises(SystemExit, match="no results directory"):
+    results_readme.main(["--results_dir", str(tmp_path / "missing")])
 
 
 # ------------------------------------------------------------------ demo quality
