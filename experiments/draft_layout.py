@@ -14,7 +14,8 @@ For each draft and layout this times, in the same interleaved rounds (`timing.in
 marginal cost of one more iteration of a jitted loop, batch 1):
   alone      one proposal of gamma tokens (the drafter's own `propose`), loop of its own;
   in loop    a proposal followed by the target's verify call on gamma + 1 tokens, minus
-             the same loop with a proposal of fixed tokens (`FixedProposal`): what the
+             the same loop with a proposal of fixed tokens (`FixedProposal`), timed right
+             before it in each round: what the
              proposal adds where the decoding loop runs it; the median over rounds of the
              per-round difference, and the difference of the two loops' 10th percentiles
              (the fastest rounds: other tenants of the machine only ever add time);
@@ -79,8 +80,8 @@ def measure(args) -> list[dict[str, Any]]:
   workloads, loops = {}, {}
   first, first_params = models.draft(args.drafts[0])
   fixed = timing.Workload(**base, draft=first, draft_params=first_params)
-  loops["fixed+verify"] = timing.marginal_pair(lambda k: timing.proposal_loop(
-      FixedProposal(), fixed, gamma=G, steps=k, verify_tokens=G + 1), args.steps)
+  fixed_loop = lambda k: timing.proposal_loop(FixedProposal(), fixed, gamma=G, steps=k,
+                                              verify_tokens=G + 1)
   drafter = decoding.Speculative(gamma=G).drafter
   for d in args.drafts:
     model, params = models.draft(d)
@@ -94,6 +95,9 @@ def measure(args) -> list[dict[str, Any]]:
       workloads[d, layout] = w
       loops[f"alone:{d}:{layout}"] = timing.marginal_pair(
           lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k), args.steps)
+      # The loop without a proposal right before the one with it (one compile for all):
+      # the machine's speed drifts within a round, so each difference is of neighbours.
+      loops[f"fixed:{d}:{layout}"] = timing.marginal_pair(fixed_loop, args.steps)
       loops[f"loop:{d}:{layout}"] = timing.marginal_pair(
           lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k,
                                               verify_tokens=G + 1), args.steps)
@@ -106,7 +110,8 @@ def measure(args) -> list[dict[str, Any]]:
     packed = [isinstance(x, cpu_matmul.PackedKernel) for x in jax.tree.leaves(
         w.draft.decode_params(w.draft_params),
         is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel))]
-    in_loop = r[f"loop:{d}:{layout}"] - r["fixed+verify"]
+    with_it, without = r[f"loop:{d}:{layout}"], r[f"fixed:{d}:{layout}"]
+    in_loop = with_it - without
     setup = [costs.setup_seconds(w.draft, w.draft_params, inputs[i:i + 1],
                                  cache_length=args.cache_length, repeats=args.repeats)["median"]
              for i in range(len(inputs))]
@@ -117,14 +122,12 @@ def measure(args) -> list[dict[str, Any]]:
         in_loop_ms=1e3 * float(np.median(in_loop)),
         in_loop_p25_ms=1e3 * float(np.percentile(in_loop, 25)),
         in_loop_p75_ms=1e3 * float(np.percentile(in_loop, 75)),
-        in_loop_fastest_ms=1e3 * float(np.percentile(r[f"loop:{d}:{layout}"], 10)
-                                        - np.percentile(r["fixed+verify"], 10)),
+        in_loop_fastest_ms=1e3 * float(np.percentile(with_it, 10)
+                                        - np.percentile(without, 10)),
+        verify_loop_ms=1e3 * float(np.median(without)),
         setup_ms=1e3 * float(np.mean(setup))))
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
           flush=True)
-  verify_loop = 1e3 * float(np.median(r["fixed+verify"]))
-  for row in rows:
-    row["verify_loop_ms"] = verify_loop
   return rows
 
 
@@ -176,8 +179,9 @@ def run(args, meta) -> harness.Output:
            f"marginal cost of one more iteration of a jitted loop ({args.steps} vs "
            f"{2 * args.steps} iterations).",
            f"in the loop: (proposal + verify call on {args.gamma + 1} tokens) - (fixed tokens + "
-           f"the same verify call), per round; the latter's median {fmt(rows[0]['verify_loop_ms'], 3)} "
-           "ms. Its 25th-75th percentiles show the machine's noise; a slower neighbour only ever adds "
+           "the same verify call, timed right before it), per round; the latter's median "
+           f"{fmt(min(r['verify_loop_ms'] for r in rows), 3)}-"
+           f"{fmt(max(r['verify_loop_ms'] for r in rows), 3)} ms. Its 25th-75th percentiles show the machine's noise; a slower neighbour only ever adds "
            "time, so 'fastest rounds' also gives the difference of the two loops' 10th "
            "percentiles over the rounds.",
            f"set-up: the draft's encoder and cross-attention cache, mean over "
