@@ -14,7 +14,7 @@ For each draft and layout this times, in the same interleaved rounds (`timing.in
 marginal cost of one more iteration of a jitted loop, batch 1):
   alone      one proposal of gamma tokens (the drafter's own `propose`), loop of its own;
   in loop    a proposal followed by the target's verify call on gamma + 1 tokens, minus
-             the same loop with a proposal of fixed tokens (`FixedProposal`), timed right
+             the same loop with a proposal of fixed tokens (`drafters.base.FixedProposal`), timed right
              before it in each round: what the
              proposal adds where the decoding loop runs it; the median over rounds of the
              per-round difference, and the difference of the two loops' 10th percentiles
@@ -45,6 +45,7 @@ from experiments.harness import Column, fmt
 
 LAYOUTS = {"kernel": None, "xla_dots": 2 ** 62, "2**15": 2 ** 15}
 
+
 def measure(args) -> list[dict[str, Any]]:
   import jax
   import jax.numpy as jnp
@@ -52,21 +53,10 @@ def measure(args) -> list[dict[str, Any]]:
 
   from spec_decode import decoding
   from spec_decode.decoding import timing
-  from spec_decode.decoding.drafters.model import ModelDrafter
-  from spec_decode.decoding.types import Proposal
+  from spec_decode.decoding.drafters.base import FixedProposal
   from spec_decode.experiment import measure as costs
   from spec_decode.kernels import cpu_matmul
   from spec_decode.models import t5
-
-  @dataclasses.dataclass(frozen=True)
-  class FixedProposal(ModelDrafter):
-    """Proposes the same tokens every time without running the draft: the loop's verify
-    call and bookkeeping alone."""
-
-    def propose(self, ctx, cache, committed, keys_BK, num, forced=None):
-      B = committed.length.shape[0]
-      return Proposal.chain(jnp.full((B, num), 3, jnp.int32) + committed.length[:, None] % 2
-                            ), cache
 
   if not cpu_matmul.available():
     raise SystemExit(f"the CPU kernel is unavailable: {cpu_matmul.unavailable_reason()}")

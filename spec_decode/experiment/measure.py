@@ -25,6 +25,7 @@ import numpy as np
 
 from spec_decode import compile_options, decoding, partitioning
 from spec_decode.decoding import runner, timing
+from spec_decode.decoding.drafters.base import FixedProposal
 from spec_decode.experiment import setup
 from spec_decode.models import base, t5
 
@@ -49,13 +50,16 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   decoders whose draft is not the workload's.
 
   in_loop: also time each drafting decoder's proposals each followed by its verify call
-  (K + 1 tokens; `Drafter.proposal_loop(verify_tokens=...)`), giving c_in_loop[name] =
-  (that loop's cost - the verify call's) / (gamma T_p), the median over rounds, at least
-  the proposal's own c (`_in_loop_c`): a proposal's cost
-  where the decoding loop runs it, after the target's weights went through the caches. A
-  draft whose weights fit the CPU's last-level cache alone but not beside the target's
+  (K + 1 tokens; `Drafter.proposal_loop(verify_tokens=...)`) and, right before it, the
+  same loop with a `FixedProposal` (the verify call and bookkeeping alone), giving
+  c_in_loop[name] = (the first loop's cost - the second's) / (gamma T_p), the median over
+  rounds, at least the proposal's own c (`_in_loop_c`): a proposal's cost where the
+  decoding loop runs it, after the target's weights went through the caches. A draft
+  whose weights fit the CPU's last-level cache alone but not beside the target's
   (measured: the big EnDe target's first layer and an exit adapter, 14 MB beside 52 MB
-  with a 32 MB L3) costs more there than in its own loop.
+  with a 32 MB L3) costs more there than in its own loop, and so does a small draft whose
+  step runs many XLA thunks, each a cold call after the verify call
+  (`experiments.draft_layout`).
   """
   if in_loop and workload.mesh is not None:
     raise ValueError("proposal costs in the loop (in_loop=True, GammaChoice.in_loop_costs) are "
@@ -72,7 +76,11 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
       w = dataclasses.replace(workload, draft=drafts[name][0], draft_params=drafts[name][1])
     loops[f"proposal:{name}"] = timing.marginal_pair(
         lambda k, a=a, w=w: a.drafter.proposal_loop(w, gamma=a.gamma, steps=k), steps)
-    if in_loop:
+    if in_loop:  # the same loop without a proposal right before it (see `_in_loop_c`)
+      loops[f"fixed+verify:{name}"] = timing.marginal_pair(
+          lambda k, a=a, w=w: FixedProposal().proposal_loop(w, gamma=a.gamma, steps=k,
+                                                             verify_tokens=a.max_proposal + 1),
+          steps)
       loops[f"proposal+verify:{name}"] = timing.marginal_pair(
           lambda k, a=a, w=w: a.drafter.proposal_loop(w, gamma=a.gamma, steps=k,
                                                       verify_tokens=a.max_proposal + 1),
@@ -89,9 +97,9 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
   out = {}
   if in_loop:
     out["proposal_in_loop"] = {n: spreads[f"proposal+verify:{n}"] for n in drafting}
-    out["c_in_loop"] = {n: _in_loop_c(t[f"proposal+verify:{n}"],
-                                      t[f"verify:{a.max_proposal + 1}"], t_p, a.gamma,
-                                      floor=c_alone[n]) for n, a in drafting.items()}
+    out["c_in_loop"] = {n: _in_loop_c(t[f"proposal+verify:{n}"], t[f"fixed+verify:{n}"],
+                                      t_p, a.gamma, floor=c_alone[n])
+                         for n, a in drafting.items()}
   return {
       **out,
       "target_step": spreads["target"],
@@ -106,9 +114,11 @@ def step_costs(workload: timing.Workload, decoders: Mapping[str, decoding.Algori
 
 def _in_loop_c(with_verify, verify, target, gamma: int, *, floor: float) -> float:
   """c in the loop from per-round seconds: the median over rounds of (proposal + verify
-  - verify) / (gamma T_p), each round's loops timed in turn, so a slow moment of the
-  machine shifts a round's three values together instead of one median against another;
-  at least `floor`, the proposal's c in its own loop (after a verify call its weights can
+  - verify) / (gamma T_p), where `verify` is the same jitted loop with a `FixedProposal`
+  timed right before the drafter's (the target's own step loop has another structure, and
+  on a noisy 2-core AMD EPYC family 25 the two verify loops differed by up to 0.4 ms, the
+  size of a proposal; neighbours in a round see the same moment of the machine); at least
+  `floor`, the proposal's c in its own loop (after a verify call its weights can
   only be colder, and a difference lost in the noise must not read as a free draft:
   a run on a noisy 2-core AMD EPYC family 25 read c = 0.000 here and chose its gamma as
   if drafting cost nothing)."""

@@ -17,6 +17,8 @@ import dataclasses
 import statistics
 from typing import Any, ClassVar, Mapping
 
+import jax.numpy as jnp
+
 from spec_decode import theory
 from spec_decode.decoding import timing
 from spec_decode.decoding.types import Committed, Proposal, Verdict
@@ -114,3 +116,22 @@ class Drafter:
     if self.proposes_trees:
       return None  # a tree's yield is no function of alpha
     return float(theory.expected_tokens(alpha, self.proposal_size(gamma)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedProposal(Drafter):
+  """Proposes the same chain every call and runs no model: a timing aid, not a decoder's
+  drafter. In a proposal loop with a verify call (`proposal_loop(verify_tokens=n)`) it
+  leaves the loop's verify call and bookkeeping alone, in the same jitted loop as a
+  drafter's, so the difference of the two loops is what that drafter's proposal adds where
+  the decoding loop runs it (`experiment.measure.step_costs(in_loop=True)`). The tokens (3
+  or 4, by the committed length's parity) depend on the loop's state, so nothing is hoisted
+  out of the loop; their values change no cost."""
+
+  def init(self, ctx, room: int):
+    return ()
+
+  def propose(self, ctx, state, committed: Committed, keys, num: int):
+    B = committed.length.shape[0]
+    tokens = jnp.full((B, num), 3, jnp.int32) + committed.length[:, None] % 2
+    return Proposal.chain(tokens), state
