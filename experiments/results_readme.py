@@ -121,8 +121,9 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--output", default=None)
   args = p.parse_args(argv)
   if not os.path.isdir(args.results_dir):
-    raise SystemExit(f"experiments.results_readme: no results directory {args.results_dir!r} "
-                     "(run a driver under experiments/ first, or pass --results_dir)")
+    raise FileNotFoundError(f"No such file or directory: the results directory "
+                            f"{args.results_dir!r} (run a driver under experiments/ first, "
+                            "or pass --results_dir)")
   out = args.output or os.path.join(args.results_dir, "README_results.md")
   text = build(args.results_dir)
   with open(out, "w", encoding="utf-8") as f:

@@ -752,7 +752,7 @@ def test_results_readme(tmp_path):
   assert "Not measured here" in text
   for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
     assert os.path.exists(os.path.join(setups.REPO_ROOT, link)), link
-  with pytest.raises(SystemExit, match="no results directory"):
+  with pytest.raises(FileNotFoundError, match="the results directory .*missing"):
     results_readme.main(["--results_dir", str(tmp_path / "missing")])
 
 
