@@ -486,7 +486,7 @@ class T5(base.ParamSpecs):
   packed_min_elements: the smallest weight matrix (in elements) `decode_params` packs for
     the CPU kernel; None (default): `cpu_matmul.MIN_PACKED_ELEMENTS`. A larger value keeps
     the small matrices on XLA's dots (and their layers on XLA's attention), for A/B runs of
-    the two layouts (`experiments.draft_layout`); the function is the same either way.
+    the two layouts (`experiments.draft_layout`); the values differ by float rounding only.
   """
   config: T5Config
   stream_params: bool = False
