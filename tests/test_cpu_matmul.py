@@ -154,7 +154,7 @@ def test_small_models_keep_xla_dots():
   params = model.init(jax.random.PRNGKey(0))
   assert model.decode_params(params) is params
   model, params = _mini()  # 96 x 200 at most: packed by default, not above a larger threshold
-  assert not model.decode_params(params) is params
+  assert model.decode_params(params) is not params
   bigger = dataclasses.replace(model, packed_min_elements=96 * 200 + 1)
   assert bigger.decode_params(params) is params
 
