@@ -171,9 +171,10 @@ def run(args, meta) -> harness.Output:
            f"in the loop: (proposal + verify call on {args.gamma + 1} tokens) - (fixed tokens + "
            "the same verify call, timed right before it), per round; the latter's median "
            f"{fmt(min(r['verify_loop_ms'] for r in rows), 3)}-"
-           f"{fmt(max(r['verify_loop_ms'] for r in rows), 3)} ms. Its 25th-75th percentiles show the machine's noise; a slower neighbour only ever adds "
-           "time, so 'fastest rounds' also gives the difference of the two loops' 10th "
-           "percentiles over the rounds.",
+           f"{fmt(max(r['verify_loop_ms'] for r in rows), 3)} ms. Its 25th-75th percentiles "
+           "show the machine's noise; a slower neighbour only ever adds time, so 'fastest "
+           "rounds' also gives the difference of the two loops' 10th percentiles over the "
+           "rounds.",
            f"set-up: the draft's encoder and cross-attention cache, mean over "
            f"{args.setup_examples} {args.task} test inputs of {args.input_length} tokens of "
            "each one's median call."]
