@@ -14,11 +14,11 @@ For each draft and layout this times, in the same interleaved rounds (`timing.in
 marginal cost of one more iteration of a jitted loop, batch 1):
   alone      one proposal of gamma tokens (the drafter's own `propose`), loop of its own;
   in loop    a proposal followed by the target's verify call on gamma + 1 tokens, minus
-             the same loop with a proposal of fixed tokens (`drafters.base.FixedProposal`), timed right
-             before it in each round: what the
-             proposal adds where the decoding loop runs it; the median over rounds of the
-             per-round difference, and the difference of the two loops' 10th percentiles
-             (the fastest rounds: other tenants of the machine only ever add time);
+             the same loop with a proposal of fixed tokens (`drafters.base.FixedProposal`),
+             timed right before it in each round: what the proposal adds where the decoding
+             loop runs it; the median over rounds of the per-round difference, and the
+             difference of the two loops' 10th percentiles (the fastest rounds: other
+             tenants of the machine only ever add time);
   set-up     the draft's encoder and cross-attention cache per example
              (`measure.setup_seconds`, median of --repeats calls), on the task's inputs;
 and counts the thunks of the draft's single-token step (`step_variants.loop_launches`: the
