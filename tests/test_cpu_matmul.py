@@ -332,7 +332,7 @@ def test_the_kernel_reads_the_width_from_every_code():
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 5, 8, 13, 40, 160])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 13, 40, 160])  # 3, 9: blocks of 3 rows x 2 panels
 def test_bfloat16_panels_give_the_float32_bits_in_every_variant(m):
   x, w = _operands(m, 96, 200, seed=m)
   want = None

@@ -85,6 +85,9 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 template <typename V>
 constexpr int Lanes() { return sizeof(V) / sizeof(float); }
+// Vector registers of the instruction set that has V: 16 with AVX2, 32 with AVX-512.
+template <typename V>
+constexpr int Registers() { return Lanes<V>() == 16 ? 32 : 16; }
 
 template <typename V>
 inline V Bits(const void* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -179,18 +182,36 @@ void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < P * B; ++b) acc[r][b] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    V w[P * B];
     const int64_t ahead = std::min(k + ahead_k, K - 1);
-    for (int q = 0; q < P; ++q) {
-      if constexpr (PF) __builtin_prefetch(panels + (q * K + ahead) * kPanel);
-      for (int b = 0; b < B; ++b) {
-        w[q * B + b] = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
-        if constexpr (PIN) InRegister(w[q * B + b]);
+    if constexpr (R * P * B + P * B + 1 > Registers<V>() && R < P * B) {
+      // Accumulators, weight vectors and a broadcast x would not fit the registers: the R
+      // rows' x broadcast first and each weight vector used as it is widened, R + 1
+      // registers beside the accumulators rather than P B + 1. On AVX2, 3 rows x 2 panels
+      // held 12 accumulators + 4 weights + x = 17 registers and spilled: with bfloat16
+      // weights 3 rows cost as much as 5 (AMD EPYC family 25: 1.5x the time of this form).
+      V xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = x[r * K + k] - V{};
+      for (int q = 0; q < P; ++q) {
+        if constexpr (PF) __builtin_prefetch(panels + (q * K + ahead) * kPanel);
+        for (int b = 0; b < B; ++b) {
+          V w = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
+          if constexpr (PIN) InRegister(w);
+          for (int r = 0; r < R; ++r) acc[r][q * B + b] += xv[r] * w;
+        }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      const V xv = x[r * K + k] - V{};
-      for (int b = 0; b < P * B; ++b) acc[r][b] += xv * w[b];
+    } else {
+      V w[P * B];
+      for (int q = 0; q < P; ++q) {
+        if constexpr (PF) __builtin_prefetch(panels + (q * K + ahead) * kPanel);
+        for (int b = 0; b < B; ++b) {
+          w[q * B + b] = Widen<V, T>::Load(panels + (q * K + k) * kPanel + b * Lanes<V>());
+          if constexpr (PIN) InRegister(w[q * B + b]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const V xv = x[r * K + k] - V{};
+        for (int b = 0; b < P * B; ++b) acc[r][b] += xv * w[b];
+      }
     }
   }
   if (p.scales != nullptr) {
