@@ -1045,6 +1045,29 @@ def test_kernel_variants_times_every_variant_at_every_row_count(tmp_path):
   assert all(c.emb_dim in (K, N) for K, N, _, _ in shapes)
 
 
+def test_kernel_ab_times_two_builds_of_the_kernel(tmp_path):
+  from experiments import kernel_ab
+  from spec_decode.kernels import cpu_matmul
+  if cpu_matmul.describe()["kernel"] != "on":
+    pytest.skip("the CPU kernel is off here")
+  paths = kernel_ab.main(["--base_source", str(cpu_matmul._SOURCE), "--target",
+                          "demo:ende_target", "--rows", "1,2", "--kernel_weights", "float32",
+                          "--repeats", "1", "--name", "tiny", "--results_dir", str(tmp_path)])
+  doc = json.loads(open(paths["json"]).read())
+  rows = doc["rows"]
+  assert [(r["placement"], r["rows"]) for r in rows] == [
+      ("stream", 1), ("stream", 2), ("cache", 1), ("cache", 2)]
+  for r in rows:
+    assert r["base_ms"] > 0 and r["this_ms"] > 0
+    assert r["ratio"] == pytest.approx(r["this_ms"] / r["base_ms"])
+  assert os.path.basename(paths["md"]).startswith("kernel_ab_")
+  assert doc["meta"]["kernel_ab"]["base"] == str(cpu_matmul._SOURCE)
+  with pytest.raises(SystemExit, match="no-such-revision"):
+    kernel_ab.measure(kernel_ab.parse_args(["--base", "no-such-revision", "--rows", "1"]))
+  with pytest.raises(SystemExit):
+    kernel_ab.parse_args(["--placements", "disk"])
+
+
 def test_table4_flags_a_set_up_timed_longer_than_the_decode():
   """A run whose separately timed set-up exceeds its autoregressive seconds per example (two
   clocks that disagree: a tiny model under load) gets a note saying so in Table 4; a

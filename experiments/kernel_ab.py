@@ -1,0 +1,198 @@
+r"""The CPU kernel of this checkout against the kernel of another revision, on this CPU.
+
+  python -m experiments.kernel_ab --base 4083bfb                 # big EnDe demo target
+  python -m experiments.kernel_ab --base HEAD~1 --rows 1,3 --placements cache --name quick
+
+Builds `spec_decode/kernels/cpu_matmul.cc` as it is in this checkout and as it was at git
+revision --base (or from the file --base_source), both with the flags the project uses,
+and times the two builds' products over the target decoder's matrices (each shape weighted
+by how often a step multiplies by it, as `experiments.kernel_variants` does), per weight
+format, row count and placement of the weights:
+- stream: copies of each matrix end to end through 48 MiB, so every product reads its
+  weights from memory, as a decode step of the big target does;
+- cache: the same matrix again and again, so it comes from the caches, as a small draft's
+  weights do.
+Each build takes its fastest variant per shape (what the tuner would choose), one thread,
+the least time over --repeats rounds; the two builds take turns within each round (the
+order reversed every other round), so load from elsewhere falls on both alike. A kernel
+change is judged by these ratios, measured in one run, not by two runs of a decoder at
+different times: on a noisy 2-core machine end-to-end figures move by more than most
+kernel changes. Writes <results_dir>/kernel_ab_<cpu family>[_<name>].{md,csv,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from experiments import harness, kernel_variants, roofline
+from experiments.harness import Column, Output, fmt
+
+PLACEMENTS = ("stream", "cache")
+
+
+def base_source(args) -> tuple[str, str]:
+  """(the base kernel's source text, what it is: 'git <rev>' or the file's path)."""
+  if args.base_source:
+    return Path(args.base_source).read_text(), args.base_source
+  from spec_decode.kernels import cpu_matmul
+  root = Path(cpu_matmul.__file__).resolve().parents[2]
+  rel = Path(cpu_matmul._SOURCE).resolve().relative_to(root)
+  proc = subprocess.run(["git", "-C", str(root), "show", f"{args.base}:{rel.as_posix()}"],
+                        capture_output=True, text=True)
+  if proc.returncode != 0:
+    raise SystemExit(f"--base {args.base}: git cannot show {rel} there ({proc.stderr.strip()})")
+  return proc.stdout, f"git {args.base}"
+
+
+def _load(path: Path):
+  lib = ctypes.CDLL(str(path))
+  lib.spec_decode_sweep.restype = ctypes.c_double
+  lib.spec_decode_sweep.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
+  return lib
+
+
+def builds(text: str) -> dict[str, Any]:
+  """{'base': library, 'this': library}: the base source and this checkout's, built as
+  `cpu_matmul` builds its kernel (cached by source, compiler and flags)."""
+  import jax
+
+  from spec_decode import native
+  from spec_decode.kernels import cpu_matmul
+  flags = [*cpu_matmul._FLAGS, f"-I{jax.ffi.include_dir()}"]
+  depends = [jax.__version__, cpu_matmul.cpu_info()["model"], cpu_matmul._cpu_flags()]
+  with tempfile.TemporaryDirectory() as tmp:
+    src = Path(tmp) / cpu_matmul._SOURCE.name
+    src.write_text(text)
+    base = native.build(src, flags, depends_on=depends)
+  return {"base": _load(base), "this": _load(native.build(cpu_matmul._SOURCE, flags,
+                                                         depends_on=depends))}
+
+
+def time_shape(libs, M: int, K: int, N: int, dtype, pairs: bool, variants, *, cached: bool,
+               repeats: int) -> dict[str, float]:
+  """{build: seconds of one [M, K] x [K, N] product by its fastest variant}, the builds
+  and variants taking turns in each round (round 0 warms up; the least of the rest)."""
+  import numpy as np
+
+  from spec_decode.kernels import cpu_matmul
+  one = -(-N // cpu_matmul.PANEL) * K * cpu_matmul.PANEL * np.dtype(dtype).itemsize
+  copies = 1 if cached else max(1, cpu_matmul.TUNE_STREAM_BYTES // one)
+  x, panels, scales = cpu_matmul._random_operands(M, K, N, dtype, pairs, copies)
+  y = np.zeros((M, N), np.float32)
+  s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
+  code = cpu_matmul._dtype_code(panels, pairs)
+  calls = 1 if copies > 1 else max(1, cpu_matmul.TUNE_STREAM_BYTES // (8 * one))
+  best: dict[tuple[str, str], float] = {}
+  order = list(libs)
+  for r in range(repeats + 1):
+    for v in variants:
+      for name in (order if r % 2 == 0 else order[::-1]):
+        t = 0.0
+        for _ in range(calls):
+          t += libs[name].spec_decode_sweep(x.ctypes.data, panels.ctypes.data, s, y.ctypes.data,
+                                            M, K, N, code, cpu_matmul._variant_code(v), copies,
+                                            one)
+        if t < 0:
+          raise SystemExit(f"the {name} build refused variant {v} for {np.dtype(dtype)}")
+        if r:
+          key = (name, v)
+          best[key] = min(best.get(key, float("inf")), t / (copies * calls))
+  return {name: min(best[(name, v)] for v in variants) for name in libs}
+
+
+def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+  from spec_decode.kernels import cpu_matmul
+  info = cpu_matmul.describe()
+  if info["kernel"] != "on":
+    raise SystemExit(f"the CPU kernel is {info['kernel']}: nothing to compare")
+  text, what = base_source(args)
+  libs = builds(text)
+  variants = cpu_matmul.variants()
+  models = harness.load_models(args.target)
+  rows = []
+  for weights in args.kernel_weights:
+    model = dataclasses.replace(models.target, kernel_weights=weights)
+    shapes = kernel_variants.decoder_shapes(model.decode_params(models.target_params))
+    if not shapes:
+      raise SystemExit(f"{args.target}: no decoder matrix is packed for the kernel")
+    for placement in args.placements:
+      for m in args.rows:
+        total = {"base": 0.0, "this": 0.0}
+        for (K, N, dtype, pairs), count in shapes.items():
+          t = time_shape(libs, m, K, N, dtype, pairs, variants,
+                         cached=placement == "cache", repeats=args.repeats)
+          for name in total:
+            total[name] += count * t[name]
+        row = {"weights": weights, "placement": placement, "rows": m,
+               "base_ms": total["base"] * 1e3, "this_ms": total["this"] * 1e3,
+               "ratio": total["this"] / total["base"]}
+        rows.append(row)
+        print(f"  {weights} {placement} rows {m}: base {row['base_ms']:.3f} ms, this "
+              f"{row['this_ms']:.3f} ms, this / base {row['ratio']:.3f}", flush=True)
+  return {"cpu": info, "base": what, "variants": list(variants)}, rows
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.kernel_ab", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
+  p.add_argument("--base_source", default=None,
+                 help="a cpu_matmul.cc file to compare with instead of --base")
+  p.add_argument("--target", default="demo:ende_target_big",
+                 help="demo:<name>, a T5 preset (random weights) or a checkpoint")
+  p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts (batch x N)")
+  p.add_argument("--kernel_weights", default="auto,float32",
+                 help="comma list of T5.kernel_weights settings to time")
+  p.add_argument("--placements", default=",".join(PLACEMENTS),
+                 help=f"comma list of {PLACEMENTS}")
+  p.add_argument("--repeats", type=int, default=5, help="rounds (least kept)")
+  p.add_argument("--name", default="", help="suffix of the result files")
+  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
+  args = p.parse_args(list(argv))
+  args.rows = harness.parse_ints(args.rows, "rows")
+  args.kernel_weights = roofline.kernel_weights_list(p, args.kernel_weights)
+  args.placements = [x for x in args.placements.split(",") if x]
+  bad = [x for x in args.placements if x not in PLACEMENTS]
+  if bad or not args.placements:
+    p.error(f"--placements: each must be one of {PLACEMENTS}, got {bad or 'none'}")
+  if min(args.rows) < 1 or args.repeats < 1:
+    p.error("--rows and --repeats must be >= 1")
+  if args.base_source and not Path(args.base_source).is_file():
+    p.error(f"--base_source {args.base_source}: no such file")
+  return args
+
+
+def run(args, meta: dict) -> Output:
+  machine, rows = measure(args)
+  meta["kernel_ab"] = machine
+  cols = [Column("weights", "kernel weights"), Column("placement", "weights from"),
+          Column("rows", "rows"), Column("base_ms", "base (ms)", lambda x: f"{x:.3f}"),
+          Column("this_ms", "this checkout (ms)", lambda x: f"{x:.3f}"),
+          Column("ratio", "this / base", lambda x: fmt(x, 3))]
+  info = machine["cpu"]
+  notes = [f"CPU: {info['model']}, features {', '.join(info['features']) or 'none listed'}; "
+           f"target {args.target}; base kernel: {machine['base']}.",
+           "Time of one decode step's products with the decoder's matrices (each shape times "
+           "how many the decoder has), one thread, each build's fastest variant per shape; "
+           f"the least of {args.repeats} rounds, the builds taking turns within each round. "
+           "stream: the weights read from memory (copies through 48 MiB); cache: one matrix "
+           "again and again (as a small draft's weights stay in the caches).",
+           "this / base < 1: this checkout's kernel is faster. Both builds give the same bits "
+           "(tests/test_cpu_matmul.py checks every variant against float32 and float64)."]
+  return Output(roofline.result_stem("kernel_ab", info, args.name),
+                f"CPU kernel against {machine['base']} ({info['model']})", cols, rows,
+                notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+  return harness.main("experiments.kernel_ab", argv, parse_args, run)
+
+
+if __name__ == "__main__":
+  main()
