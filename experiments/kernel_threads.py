@@ -102,14 +102,18 @@ def run(args, meta) -> harness.Output:
           Column("call_us", "split call", lambda v: f"{v:.1f} us"),
           Column("start_fraction", "start / call", lambda v: fmt(v, 2)),
           Column("helper_idle", "helpers idle", lambda v: fmt(v, 2)),
-          Column("wait_us", "caller's wait", lambda v: f"{v:.1f} us")]
+          Column("wait_us", "caller's wait", lambda v: f"{v:.1f} us"),
+          Column("helper_same_cpu", "helpers on the caller's CPU", lambda v: fmt(v, 2))]
   notes = [f"Target {args.target}, inputs of {args.task} ({args.input_length} tokens, trimmed as "
            f"decoding.run trims them), batch 1; decode steps and verify calls: "
            f"`timing.step_time` ({args.repeats} repeats, cache of {args.decode_len} slots), its "
            "time per call; set-up: encoder + cross-attention cache per example.",
            "Counters over every timed call (`cpu_matmul.thread_stats`). helper share 0.5 is "
            "an even split; a helper starting d us late leaves the caller about d / 2 us more "
-           "work, so start / call bounds what a helper that starts at once would save."]
+           "work, so start / call bounds what a helper that starts at once would save.",
+           "helpers on the caller's CPU: the fraction of helpers that found work and started "
+           "on the CPU their caller was on when the call began (`sched_getcpu`): the two "
+           "would then share one core until the scheduler moves one."]
   return harness.Output("kernel_threads", "The kernel's two-thread split", cols, rows, notes)
 
 

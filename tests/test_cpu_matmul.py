@@ -740,6 +740,7 @@ def test_thread_stats_count_the_split_calls(monkeypatch):
   assert stats["helpers_per_call"] >= 0
   assert 0 <= stats["helper_share"] <= 1 and 0 <= stats["helper_idle"] <= 1
   assert stats["call_us"] > 0 and stats["wait_us"] >= 0 and stats["helper_start_us"] >= 0
+  assert 0 <= stats["helper_same_cpu"] <= 1
   assert cpu_matmul.thread_stats()["split_calls"] == 0
 
 

@@ -709,6 +709,7 @@ def test_kernel_threads(out):
   assert step["what"] == "decode step" and set_up["what"].startswith("set-up")
   for row in (step, set_up):
     assert row["ms"] > 0 and 0 <= row["helper_share"] <= 1 and 0 <= row["helper_idle"] <= 1
+    assert 0 <= row["helper_same_cpu"] <= 1
   with pytest.raises(SystemExit):
     kernel_threads.main(["--repeats", "0", "--results_dir", out["results"]])
 

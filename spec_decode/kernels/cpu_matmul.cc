@@ -555,7 +555,7 @@ inline int64_t NowNs() {
 // overhead: a helper that starts late leaves its share to the caller).
 struct SplitStats {
   std::atomic<int64_t> calls{0}, panels{0}, helpers{0}, helper_panels{0}, working{0},
-      working_start_ns{0}, wait_ns{0}, call_ns{0};
+      working_start_ns{0}, wait_ns{0}, call_ns{0}, same_cpu{0};
 };
 SplitStats g_split;
 
@@ -565,6 +565,7 @@ SplitStats g_split;
 // caller is inside `Parallel` (a late helper touches the counter only).
 struct Split {
   int64_t count, chunk, start_ns = 0;
+  int cpu = -1;  // the caller's CPU when the call started
   std::function<void(int64_t, int64_t)> work;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
@@ -588,9 +589,11 @@ void Parallel(int64_t count, int64_t chunk, int64_t helpers, ffi::ThreadPool& po
   shared->chunk = std::max<int64_t>(1, chunk);
   shared->work = std::move(work);
   shared->start_ns = NowNs();
+  if (stats != nullptr) shared->cpu = sched_getcpu();
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared, stats] {
       const int64_t start = NowNs();
+      const int cpu = sched_getcpu();
       shared->active.fetch_add(1);
       const int64_t done = shared->Work();
       shared->active.fetch_sub(1);
@@ -600,6 +603,7 @@ void Parallel(int64_t count, int64_t chunk, int64_t helpers, ffi::ThreadPool& po
       if (done > 0) {  // a helper that found the work gone started after the call ended
         stats->working += 1;
         stats->working_start_ns += start - shared->start_ns;
+        if (cpu >= 0 && cpu == shared->cpu) stats->same_cpu += 1;
       }
     });
   }
@@ -1481,15 +1485,17 @@ double spec_decode_sweep(const float* x, const void* panels, const float* scales
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The split's counters (`SplitStats`) since the last reset into out[8]: calls split, their
+// The split's counters (`SplitStats`) since the last reset into out[9]: calls split, their
 // panels, helpers started, the helpers' panels, helpers that found work, their start delays
-// (ns, summed), the callers' waits for their helpers after their own share (ns) and the
-// split calls' durations (ns). reset != 0: zero them after reading.
+// (ns, summed), the callers' waits for their helpers after their own share (ns), the split
+// calls' durations (ns) and the helpers that found work on the CPU their caller started
+// on. reset != 0: zero them after reading.
 void spec_decode_thread_stats(double* out, int64_t reset) {
   std::atomic<int64_t>* fields[] = {&g_split.calls, &g_split.panels, &g_split.helpers,
                                     &g_split.helper_panels, &g_split.working,
-                                    &g_split.working_start_ns, &g_split.wait_ns, &g_split.call_ns};
-  for (int i = 0; i < 8; ++i) out[i] = double(reset ? fields[i]->exchange(0) : fields[i]->load());
+                                    &g_split.working_start_ns, &g_split.wait_ns, &g_split.call_ns,
+                                    &g_split.same_cpu};
+  for (int i = 0; i < 9; ++i) out[i] = double(reset ? fields[i]->exchange(0) : fields[i]->load());
 }
 
 // Whether the bfloat16 dot-product variant (AVX512-BF16) is built.

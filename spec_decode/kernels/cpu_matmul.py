@@ -713,15 +713,16 @@ def thread_stats(reset: bool = False) -> dict[str, float]:
   helpers after their own share; call_us, the split calls' mean duration. Calls below the
   split's size, or with one thread, are not counted; a helper still running when the
   counters are read is counted in the next reading."""
-  out = (ctypes.c_double * 8)()
+  out = (ctypes.c_double * 9)()
   _library().spec_decode_thread_stats(out, int(bool(reset)))
-  calls, panels, helpers, helper_panels, working, start_ns, wait_ns, call_ns = out
+  calls, panels, helpers, helper_panels, working, start_ns, wait_ns, call_ns, same_cpu = out
   per = lambda total, n: total / n if n else 0.0
   return {"split_calls": int(calls), "helpers_per_call": per(helpers, calls),
           "helper_share": per(helper_panels, panels),
           "helper_start_us": per(start_ns, working) / 1e3,
           "helper_idle": per(helpers - working, helpers),
-          "wait_us": per(wait_ns, calls) / 1e3, "call_us": per(call_ns, calls) / 1e3}
+          "wait_us": per(wait_ns, calls) / 1e3, "call_us": per(call_ns, calls) / 1e3,
+          "helper_same_cpu": per(same_cpu, working)}
 
 
 def read_bandwidth(nbytes: int, *, threads: int = 0, passes: int = 5) -> float:
