@@ -651,6 +651,22 @@ def test_fused_rms_norm(weights):
     cpu_matmul.matmul(x, p, norm=s[:10])
 
 
+def test_bandwidth_and_peak_probes_keep_their_highest_reading(monkeypatch):
+  """A burst of load from elsewhere lowers one reading; the probes report the capability."""
+  readings = {"gbps": iter([99.0, 12.8, 26.5, 25.1]), "gflops": iter([150.0, 190.0, 60.0])}
+
+  class Fake:
+    def spec_decode_read_gbps(self, buf, nbytes, passes, threads):
+      return next(readings["gbps"])  # the first call is the warm-up
+
+    def spec_decode_fma_gflops(self, width, iters, threads):
+      return next(readings["gflops"])
+
+  monkeypatch.setattr(cpu_matmul, "_library", lambda: Fake())
+  assert cpu_matmul.read_bandwidth(4096, threads=1, repeats=3) == 26.5
+  assert cpu_matmul.fma_peak(8, threads=1, repeats=3) == 190.0
+
+
 @needs_kernel
 def test_describe_names_the_cpu_and_the_variants():
   info = cpu_matmul.describe()
