@@ -159,8 +159,9 @@ template <> struct Widen<f32x16, int8_t> {
 // bfloat16 values each, vector 0 the even columns (the low halves shifted up) and vector
 // 1 the odd ones (the high halves, masked), exact as `Widen`'s, for one load and two
 // integer operations per 16 weights where widening each half took two loads and four (on
-// an AVX2 AMD EPYC the widening, not the multiply-adds, set the pace of 2-5 rows). The
-// accumulators then hold the columns in that order; `Block` puts them back before storing.
+// an AVX2 AMD EPYC, with the weights in cache, the widening set the pace of 1-2 rows: they
+// now take 0.50x and 0.78x the time, `experiments/kernel_ab.py`). The accumulators then
+// hold the columns in that order; `Block` puts them back before storing.
 template <typename V, typename T>
 struct Row {
   static constexpr bool kSplit = false;

@@ -710,7 +710,9 @@ def thread_stats(reset: bool = False) -> dict[str, float]:
   one helper); helper_start_us, the mean delay from a call's start to the start of a
   helper that found work (the caller works alone meanwhile); helper_idle, the fraction of
   helpers that started after the work was gone; wait_us, the callers' mean wait for their
-  helpers after their own share; call_us, the split calls' mean duration. Calls below the
+  helpers after their own share; call_us, the split calls' mean duration; helper_same_cpu,
+  the fraction of helpers that found work and started on the CPU their caller was on when
+  the call began (the two then share a core until the scheduler moves one). Calls below the
   split's size, or with one thread, are not counted; a helper still running when the
   counters are read is counted in the next reading."""
   out = (ctypes.c_double * 9)()
