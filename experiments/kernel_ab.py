@@ -40,8 +40,9 @@ def base_source(args) -> tuple[str, str]:
   """(the base kernel's source text, what it is: 'git <rev>' or the file's path)."""
   if args.base_source:
     return Path(args.base_source).read_text(), args.base_source
+  from spec_decode import paths
   from spec_decode.kernels import cpu_matmul
-  root = Path(cpu_matmul.__file__).resolve().parents[2]
+  root = Path(paths.REPO_ROOT).resolve()
   rel = Path(cpu_matmul._SOURCE).resolve().relative_to(root)
   proc = subprocess.run(["git", "-C", str(root), "show", f"{args.base}:{rel.as_posix()}"],
                         capture_output=True, text=True)
@@ -77,32 +78,25 @@ def builds(text: str) -> dict[str, Any]:
 def time_shape(libs, M: int, K: int, N: int, dtype, pairs: bool, variants, *, cached: bool,
                repeats: int) -> dict[str, float]:
   """{build: seconds of one [M, K] x [K, N] product by its fastest variant}, the builds
-  and variants taking turns in each round (round 0 warms up; the least of the rest)."""
+  and variants taking turns in each round (round 0 warms up; the least of the rest).
+  cached: one copy of the weights, swept again and again (`calls` sweeps per timing)."""
   import numpy as np
 
   from spec_decode.kernels import cpu_matmul
-  one = -(-N // cpu_matmul.PANEL) * K * cpu_matmul.PANEL * np.dtype(dtype).itemsize
-  copies = 1 if cached else max(1, cpu_matmul.TUNE_STREAM_BYTES // one)
-  x, panels, scales = cpu_matmul._random_operands(M, K, N, dtype, pairs, copies)
-  y = np.zeros((M, N), np.float32)
-  s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
-  code = cpu_matmul._dtype_code(panels, pairs)
-  calls = 1 if copies > 1 else max(1, cpu_matmul.TUNE_STREAM_BYTES // (8 * one))
+  stream = cpu_matmul.TUNE_STREAM_BYTES
+  args, copies = cpu_matmul.sweep_operands(M, K, N, dtype, pairs, 1 if cached else stream)
+  weight_bytes = -(-N // cpu_matmul.PANEL) * K * cpu_matmul.PANEL * np.dtype(dtype).itemsize
+  calls = max(1, stream // (8 * weight_bytes)) if cached else 1
   best: dict[tuple[str, str], float] = {}
   order = list(libs)
   for r in range(repeats + 1):
     for v in variants:
       for name in (order if r % 2 == 0 else order[::-1]):
-        t = 0.0
-        for _ in range(calls):
-          t += libs[name].spec_decode_sweep(x.ctypes.data, panels.ctypes.data, s, y.ctypes.data,
-                                            M, K, N, code, cpu_matmul._variant_code(v), copies,
-                                            one)
+        t = sum(libs[name].spec_decode_sweep(*args(v)) for _ in range(calls))
         if t < 0:
-          raise SystemExit(f"the {name} build refused variant {v} for {np.dtype(dtype)}")
+          raise SystemExit(f"the {name} build refused variant {v} for {dtype} weights")
         if r:
-          key = (name, v)
-          best[key] = min(best.get(key, float("inf")), t / (copies * calls))
+          best[(name, v)] = min(best.get((name, v), float("inf")), t / (copies * calls))
   return {name: min(best[(name, v)] for v in variants) for name in libs}
 
 
@@ -144,25 +138,15 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
   p.add_argument("--base_source", default=None,
                  help="a cpu_matmul.cc file to compare with instead of --base")
-  p.add_argument("--target", default="demo:ende_target_big",
-                 help="demo:<name>, a T5 preset (random weights) or a checkpoint")
-  p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts (batch x N)")
-  p.add_argument("--kernel_weights", default="auto,float32",
-                 help="comma list of T5.kernel_weights settings to time")
+  kernel_variants.add_shape_args(p, "1,2,3,4,5,6,7,8")
   p.add_argument("--placements", default=",".join(PLACEMENTS),
                  help=f"comma list of {PLACEMENTS}")
-  p.add_argument("--repeats", type=int, default=5, help="rounds (least kept)")
-  p.add_argument("--name", default="", help="suffix of the result files")
-  p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
-  args.rows = harness.parse_ints(args.rows, "rows")
-  args.kernel_weights = roofline.kernel_weights_list(p, args.kernel_weights)
+  kernel_variants.check_shape_args(p, args)
   args.placements = [x for x in args.placements.split(",") if x]
   bad = [x for x in args.placements if x not in PLACEMENTS]
   if bad or not args.placements:
     p.error(f"--placements: each must be one of {PLACEMENTS}, got {bad or 'none'}")
-  if min(args.rows) < 1 or args.repeats < 1:
-    p.error("--rows and --repeats must be >= 1")
   if args.base_source and not Path(args.base_source).is_file():
     p.error(f"--base_source {args.base_source}: no such file")
   return args

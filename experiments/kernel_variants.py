@@ -75,22 +75,33 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   return {"cpu": info, "variants": list(variants)}, rows
 
 
-def parse_args(argv: Sequence[str]):
-  p = argparse.ArgumentParser(prog="python -m experiments.kernel_variants", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(p: argparse.ArgumentParser, rows: str) -> None:
+  """The flags of drivers that time the kernel over a target decoder's matrices: --target,
+  --rows (default `rows`), --kernel_weights, --repeats, --name, --results_dir."""
   p.add_argument("--target", default="demo:ende_target_big",
                  help="demo:<name>, a T5 preset (random weights) or a checkpoint")
-  p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,12", help="row counts (batch x N)")
+  p.add_argument("--rows", default=rows, help="row counts (batch x N)")
   p.add_argument("--kernel_weights", default="auto,float32",
                  help="comma list of T5.kernel_weights settings to time")
-  p.add_argument("--repeats", type=int, default=5, help="rounds per variant (least kept)")
+  p.add_argument("--repeats", type=int, default=5, help="rounds (least kept)")
   p.add_argument("--name", default="", help="suffix of the result files")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
-  args = p.parse_args(list(argv))
+
+
+def check_shape_args(p: argparse.ArgumentParser, args) -> None:
+  """Parses and checks `add_shape_args`' flags in place (a parser error on bad ones)."""
   args.rows = harness.parse_ints(args.rows, "rows")
   args.kernel_weights = roofline.kernel_weights_list(p, args.kernel_weights)
   if min(args.rows) < 1 or args.repeats < 1:
     p.error("--rows and --repeats must be >= 1")
+
+
+def parse_args(argv: Sequence[str]):
+  p = argparse.ArgumentParser(prog="python -m experiments.kernel_variants", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_shape_args(p, "1,2,3,4,5,6,7,8,9,10,12")
+  args = p.parse_args(list(argv))
+  check_shape_args(p, args)
   return args
 
 

@@ -594,7 +594,7 @@ void Parallel(int64_t count, int64_t chunk, int64_t helpers, ffi::ThreadPool& po
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared, stats] {
       const int64_t start = NowNs();
-      const int cpu = sched_getcpu();
+      const int cpu = stats != nullptr ? sched_getcpu() : -1;  // where it started
       shared->active.fetch_add(1);
       const int64_t done = shared->Work();
       shared->active.fetch_sub(1);

@@ -592,6 +592,25 @@ def _sweep(args) -> float:
   return float(_library().spec_decode_sweep(*args))
 
 
+def sweep_operands(M: int, K: int, N: int, dtype, pairs: bool = False,
+                   stream_bytes: int = TUNE_STREAM_BYTES):
+  """(args, copies): random operands of [M, K] x [K, N] products with weights of `dtype`,
+  `copies` copies of the weights end to end filling `stream_bytes` (at least one), and
+  args(variant), the arguments of a `spec_decode_sweep` call over all of them by that
+  variant (the operands live as long as `args`)."""
+  one = -(-N // PANEL) * K * PANEL * np.dtype(dtype).itemsize
+  copies = max(1, stream_bytes // one)
+  x, panels, scales = _random_operands(M, K, N, dtype, pairs, copies)
+  y = np.zeros((M, N), np.float32)
+  s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
+  code = _dtype_code(panels, pairs)
+
+  def args(variant: str) -> tuple:
+    return (x.ctypes.data, panels.ctypes.data, s, y.ctypes.data, M, K, N, code,
+            _variant_code(variant), copies, one)
+  return args, copies
+
+
 def time_variants(M: int, K: int, N: int, dtype, variants_to_time, repeats: int = 3,
                   stream_bytes: int = TUNE_STREAM_BYTES, pairs: bool = False
                   ) -> dict[str, float]:
@@ -605,17 +624,11 @@ def time_variants(M: int, K: int, N: int, dtype, variants_to_time, repeats: int 
   alike, not on the one being timed then: timed one after another, a variant measured
   during a burst loses by the burst, and the loss is kept in the cache of choices."""
   variants_to_time = list(variants_to_time)
-  P = -(-N // PANEL)
-  one = P * K * PANEL * np.dtype(dtype).itemsize
-  copies = max(1, stream_bytes // one)
-  x, panels, scales = _random_operands(M, K, N, dtype, pairs, copies)
-  y = np.zeros((M, N), np.float32)
-  s = scales.ctypes.data if np.dtype(dtype) == np.int8 else None
+  args, copies = sweep_operands(M, K, N, dtype, pairs, stream_bytes)
   times: dict[str, list[float]] = {v: [] for v in variants_to_time}
   for r in range(repeats + 1):
     for v in (variants_to_time if r % 2 == 0 else variants_to_time[::-1]):
-      t = _sweep((x.ctypes.data, panels.ctypes.data, s, y.ctypes.data, M, K, N,
-                  _dtype_code(panels, pairs), _variant_code(v), copies, one))
+      t = _sweep(args(v))
       if t < 0:
         raise ValueError(f"time_variant: variant {v} or {np.dtype(dtype)} weights not built")
       if r:  # round 0 warms the caches, the page tables and the clock
