@@ -558,6 +558,8 @@ def main(module: str, argv: Sequence[str] | None, parse_args: Callable[[Sequence
   several outputs. private: argument names left out of the recorded settings (where files
   go)."""
   if argv is None:  # the command line: a known error ends in one line (`cli_errors`)
+    from spec_decode import compile_cache
+    compile_cache.enable()  # a command's programs persist between runs; calls leave jax as is
     with cli_errors(module):
       return main(module, sys.argv[1:], parse_args, run, private=private)
   argv = list(argv)

@@ -61,7 +61,7 @@ from absl import app, flags
 
 import jax
 
-from spec_decode import distributed, paths
+from spec_decode import compile_cache, distributed, paths
 from spec_decode.cli import errors
 from spec_decode.cli import gin as gin_layer
 from spec_decode.kernels import cpu_matmul
@@ -223,6 +223,10 @@ def format_summary(summary: dict) -> str:
     lines.append(f"identical outputs: {summary['identical_fraction']:.1%} ({why})")
   if summary.get("machine"):
     lines.append(f"machine: {report.machine_line(summary['machine'])}")
+    cache = summary["machine"].get("compile_cache") or {}
+    if cache.get("dir") and cache.get("requests"):
+      lines.append(f"compiled programs: {cache['hits']} of {cache['requests']} loaded from the "
+                   f"cache in {cache['dir']} (SPEC_DECODE_COMPILE_CACHE=off: none)")
   resume = summary.get("resume") or {}
   if resume.get("already_done"):
     lines.append(f"resumed: {resume['already_done']} of {resume['total']} examples were "
@@ -274,6 +278,7 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     errors.quiet_logging()
+    compile_cache.enable()  # before anything compiles
     cpu_matmul.check_environment()
     distributed.initialize_from_flags()  # no-op for one process
     output_dir = FLAGS.output_dir or default_output_dir(FLAGS.gin_file or [DEFAULT_GIN_FILE])

@@ -187,14 +187,18 @@ def summarize(cfg, *, metric_fns: Sequence[Callable], examples: Sequence[data.Ex
 def machine() -> dict[str, Any]:
   """Where the decoders ran: the backend and devices; on CPU also the CPU's model and
   features, and the decode kernel (on or why not, the variant chosen per weight shape,
-  the weight formats the models were packed in: `cpu_matmul.describe`)."""
+  the weight formats the models were packed in: `cpu_matmul.describe`); the compilation
+  cache (`compile_cache.stats`: its directory, and how many of this process's compilations
+  it answered)."""
   import jax
+  from spec_decode import compile_cache
   from spec_decode.kernels import cpu_matmul
   devices = jax.devices()
   out: dict[str, Any] = {"backend": jax.default_backend(),
                          "devices": f"{len(devices)} x {devices[0].device_kind}"}
   if out["backend"] == "cpu":
     out["cpu"] = cpu_matmul.describe()
+  out["compile_cache"] = compile_cache.stats()
   return out
 
 
