@@ -27,6 +27,7 @@ setuptools.setup(
         "safetensors",
         "sentencepiece",
         "tqdm",
+        "filelock",  # JAX's compilation cache evicts with it (`compile_cache`)
     ],
     extras_require={
         "test": [

@@ -18,9 +18,9 @@ is, as are its settings (the test suite's per-run cache).
 
 JAX keys each program by its HLO, compile options, XLA_FLAGS, devices and versions; only
 process 0 of a multi-process run writes. The cache is bounded (`MAX_BYTES`, least
-recently used out first) where the `filelock` package is installed (JAX needs it to
-evict), unbounded otherwise. A directory that cannot be made leaves the cache off (a
-cache must never fail a run).
+recently used out first; JAX evicts with the `filelock` package, an install requirement:
+without it the cache grows unbounded). A directory that cannot be made leaves the cache
+off (a cache must never fail a run).
 """
 
 from __future__ import annotations
