@@ -26,6 +26,7 @@ directory = compile_cache.enable()
 import jax, jax.numpy as jnp
 y = jax.jit(lambda x: jnp.tanh(x * 3.25) + x.sum())(jnp.arange(6.0))
 print(json.dumps({"enabled": directory, "stats": compile_cache.stats(),
+                  "max_size": jax.config.jax_compilation_cache_max_size,
                   "key": compile_cache.machine_key(), "y": float(y[1])}))
 """
 
@@ -63,6 +64,7 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
   want = tmp_path / "home" / ".cache" / "spec_decode" / "xla" / first["key"]
   assert first["enabled"] == str(want) and first["stats"]["dir"] == str(want)
   assert first["stats"]["requests"] >= 1 and first["stats"]["hits"] == 0
+  assert first["max_size"] == compile_cache.MAX_BYTES  # bounded: least recently used out
   assert any(want.iterdir())
   second = _child(tmp_path)
   assert second["stats"]["requests"] == first["stats"]["requests"]
