@@ -1,13 +1,14 @@
 """A persistent cache of compiled XLA programs for the commands (JAX's compilation cache).
 
-A run of the main job compiles about 90 programs (the decoding loops of both decoders, the
-step timers, the warm-up's probes): 52 of its 103 seconds on 2 AVX2-only AMD EPYC cores
-(family 25, model 1), for the no-argument job. The same command run again compiles the
-same programs. `enable()`, called by the commands before they compile anything, points
-JAX's persistent compilation cache at a directory of this user's, so a rerun, or another
-experiment with the same models and shapes (every run of a table shares its target's
-autoregressive loops), loads them instead (the no-argument job run twice on that machine:
-103 s, then 69 s, with token-identical outputs).
+The no-argument main job compiles about 90 programs (the decoding loops of both decoders,
+the step timers, the warm-up's probes): 52 s of compilation in one run on 2 AVX2-only AMD
+EPYC cores (family 25, model 1). The same command run again compiles the same programs.
+`enable()`, called by the commands before they compile anything, points JAX's persistent
+compilation cache at a directory of this user's, so a rerun, or another experiment with
+the same models and shapes (every run of a table shares its target's autoregressive
+loops), loads them instead: that job run twice on that machine took 101 s, then 68 s (73
+of its 87 programs loaded; those of a gamma the noisy warm-up had not chosen before
+compiled), with token-identical outputs.
 
 Where: $SPEC_DECODE_COMPILE_CACHE if set (0, off, false or no switch it off), else
 ~/.cache/spec_decode/xla/<key>, where key hashes jax's and jaxlib's versions and the CPU
