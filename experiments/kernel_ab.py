@@ -66,7 +66,7 @@ def builds(text: str) -> dict[str, Any]:
   from spec_decode import native
   from spec_decode.kernels import cpu_matmul
   flags = [*cpu_matmul._FLAGS, f"-I{jax.ffi.include_dir()}"]
-  depends = [jax.__version__, cpu_matmul.cpu_info()["model"], cpu_matmul._cpu_flags()]
+  depends = cpu_matmul.build_depends()
   with tempfile.TemporaryDirectory() as tmp:
     src = Path(tmp) / cpu_matmul._SOURCE.name
     src.write_text(text)
@@ -80,13 +80,10 @@ def time_shape(libs, M: int, K: int, N: int, dtype, pairs: bool, variants, *, ca
   """{build: seconds of one [M, K] x [K, N] product by its fastest variant}, the builds
   and variants taking turns in each round (round 0 warms up; the least of the rest).
   cached: one copy of the weights, swept again and again (`calls` sweeps per timing)."""
-  import numpy as np
-
   from spec_decode.kernels import cpu_matmul
   stream = cpu_matmul.TUNE_STREAM_BYTES
   args, copies = cpu_matmul.sweep_operands(M, K, N, dtype, pairs, 1 if cached else stream)
-  weight_bytes = -(-N // cpu_matmul.PANEL) * K * cpu_matmul.PANEL * np.dtype(dtype).itemsize
-  calls = max(1, stream // (8 * weight_bytes)) if cached else 1
+  calls = max(1, stream // (8 * cpu_matmul.panel_bytes(K, N, dtype))) if cached else 1
   best: dict[tuple[str, str], float] = {}
   order = list(libs)
   for r in range(repeats + 1):

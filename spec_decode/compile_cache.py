@@ -12,7 +12,7 @@ compiled), with token-identical outputs.
 
 Where: $SPEC_DECODE_COMPILE_CACHE if set (0, off, false or no switch it off), else
 ~/.cache/spec_decode/xla/<key>, where key hashes jax's and jaxlib's versions and the CPU
-(its model and /proc/cpuinfo flags): XLA:CPU compiles for the host's instruction set, so a
+(its model and /proc/cpuinfo flags, `machine_key`): XLA:CPU compiles for the host's instruction set, so a
 home directory shared between machines never loads a program built for another CPU. A
 cache directory chosen outside (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept as it
 is, as are its settings (the test suite's per-run cache).
@@ -44,20 +44,14 @@ _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 _state: dict[str, Any] = {"dir": None, "hits": 0, "requests": 0, "listening": False}
 
 
-def machine_key(cpuinfo: str | None = None) -> str:
-  """jax's and jaxlib's versions and the CPU (the model and feature lines of `cpuinfo`,
-  default /proc/cpuinfo), hashed: the name of this machine's cache directory."""
+def machine_key() -> str:
+  """The name of this machine's cache directory: `cpu_matmul.build_depends()` (jax's
+  version, the CPU's model and feature flags, as the kernel's own build cache is keyed)
+  and jaxlib's version, hashed."""
   import jaxlib
-  if cpuinfo is None:
-    try:
-      cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-      import platform
-      cpuinfo = f"{platform.machine()} {platform.processor()}"
-  keys = ("model name", "cpu family", "model\t", "model ", "flags", "Features", "CPU part")
-  cpu = "\n".join(sorted({" ".join(line.split()) for line in cpuinfo.splitlines()
-                          if line.startswith(keys)}))
-  text = "\0".join([jax.__version__, getattr(jaxlib, "__version__", "?"), cpu])
+
+  from spec_decode.kernels import cpu_matmul
+  text = "\0".join([*cpu_matmul.build_depends(), getattr(jaxlib, "__version__", "?")])
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -12,11 +12,9 @@ import jax
 
 from spec_decode import compile_cache
 from spec_decode.cli import main as cli_main
+from spec_decode.kernels import cpu_matmul
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_CPUINFO = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
-            "model name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma\n")
 
 # enable(), one small program compiled and run, then what the cache says (one JSON line)
 _CHILD = """
@@ -42,14 +40,18 @@ def _child(tmp_path, **env):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_machine_key_names_the_cpu():
-  key = compile_cache.machine_key(_CPUINFO)
-  assert key == compile_cache.machine_key(_CPUINFO.replace("\t\t: ", "\t: "))  # spacing
-  reordered = "\n".join(reversed(_CPUINFO.splitlines()))
-  assert key == compile_cache.machine_key(reordered)
-  assert key != compile_cache.machine_key(_CPUINFO.replace("avx2 fma", "avx2 fma avx512f"))
-  assert key != compile_cache.machine_key(_CPUINFO.replace("model\t\t: 1", "model\t\t: 17"))
-  assert len(key) == 16 and compile_cache.default_dir().name == compile_cache.machine_key()
+def test_machine_key_names_the_cpu(monkeypatch):
+  """The key is the kernel build's (`cpu_matmul.build_depends`) with jaxlib's version: it
+  follows the CPU's model and feature flags."""
+  key = compile_cache.machine_key()
+  assert key == compile_cache.machine_key() and len(key) == 16
+  assert compile_cache.default_dir().name == key
+  model, flags = cpu_matmul.cpu_info()["model"], cpu_matmul._cpu_flags()
+  monkeypatch.setattr(cpu_matmul, "_cpu_flags", lambda: flags + " avx512f_made_up")
+  assert compile_cache.machine_key() != key
+  monkeypatch.setattr(cpu_matmul, "_cpu_flags", lambda: flags)
+  monkeypatch.setattr(cpu_matmul, "cpu_info", lambda: {"model": model + " (model 17)"})
+  assert compile_cache.machine_key() != key
 
 
 def test_a_cache_chosen_outside_is_kept():

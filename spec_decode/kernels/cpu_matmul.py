@@ -381,10 +381,17 @@ def cpu_info() -> dict[str, Any]:
   return {"model": model, "features": [f for f in FEATURES if f in flags]}
 
 
+def build_depends() -> list[str]:
+  """What code compiled for this machine depends on beyond its source and flags: jax's
+  version and the CPU (its model and feature flags). The kernel's build cache is keyed by
+  it (`native.build`), and so is the cache of compiled XLA programs (`compile_cache`)."""
+  return [jax.__version__, cpu_info()["model"], _cpu_flags()]
+
+
 def _build() -> Path:
   """Compiles cpu_matmul.cc (once per source, compiler, jaxlib and CPU) -> the .so path."""
   return native.build(_SOURCE, [*_FLAGS, f"-I{jax.ffi.include_dir()}"],
-                      depends_on=[jax.__version__, cpu_info()["model"], _cpu_flags()])
+                      depends_on=build_depends())
 
 
 _LIB: dict[str, Any] = {}  # the loaded library ('lib') and its path ('path')
@@ -592,13 +599,18 @@ def _sweep(args) -> float:
   return float(_library().spec_decode_sweep(*args))
 
 
+def panel_bytes(K: int, N: int, dtype) -> int:
+  """Bytes of a [K, N] weight matrix packed in panels of `dtype` (N padded to panels)."""
+  return -(-N // PANEL) * K * PANEL * np.dtype(dtype).itemsize
+
+
 def sweep_operands(M: int, K: int, N: int, dtype, pairs: bool = False,
                    stream_bytes: int = TUNE_STREAM_BYTES):
   """(args, copies): random operands of [M, K] x [K, N] products with weights of `dtype`,
   `copies` copies of the weights end to end filling `stream_bytes` (at least one), and
   args(variant), the arguments of a `spec_decode_sweep` call over all of them by that
   variant (the operands live as long as `args`)."""
-  one = -(-N // PANEL) * K * PANEL * np.dtype(dtype).itemsize
+  one = panel_bytes(K, N, dtype)
   copies = max(1, stream_bytes // one)
   x, panels, scales = _random_operands(M, K, N, dtype, pairs, copies)
   y = np.zeros((M, N), np.float32)
