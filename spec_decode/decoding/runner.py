@@ -318,13 +318,13 @@ def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
   def slot_ctx(rows):
     return dataclasses.replace(ctx0, packed_index=None, draft_packed_index=None, **rows)
 
-  def phase(carry, last=False):
+  def phase(carry, first_is_all=False):
     """One chunk of entering rows: built, then given to slots as their rows finish, until
-    it is used up. last: no example is left, so no chunk is built and finished slots are
-    retired until none is live."""
+    it is used up; the last chunk's phase goes on retiring finished slots (no example is
+    left) until none is live. first_is_all: the first batch held every row, so no chunk
+    is built (a stand-in waits, never entered: every slot this phase settles is retired)."""
     state, rows, slot, nxt, outs = carry
-    # the last phase's stand-in (never entered: every slot it settles is retired)
-    wait = (parts.rows_of(state), rows) if last else waiting(prepare(nxt // B))
+    wait = (parts.rows_of(state), rows) if first_is_all else waiting(prepare(nxt // B))
     limit = jnp.minimum((nxt // B + 1) * B, N)  # rows nxt .. limit - 1 wait in this chunk
     can_settle = lambda nxt: (nxt < limit) | (nxt >= N)
 
@@ -360,8 +360,10 @@ def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
                               (state, rows, slot, nxt, outs))
 
   carry = (state, row_arrays(ctx0), jnp.arange(B, dtype=jnp.int32), jnp.int32(B), outs)
-  carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0) & (c[3] < N), phase, carry)
-  carry = phase(carry, last=True)
+  if chunks.shape[0] == 1:
+    carry = phase(carry, first_is_all=True)
+  else:  # every phase builds a chunk; the loop's body (the algorithm's) is traced once
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0), phase, carry)
   return parts.finish(carry[4])
 
 
