@@ -69,6 +69,13 @@ def test_refill_equals_batched_decode(name, sampling):
     _assert_same(_run(ALGOS[name], enc, sampling, refill_batch=slots), plain)
 
 
+def test_one_chunk_of_slots_equals_batched_decode():
+  """refill_batch >= the rows: one chunk, nothing waits, finished slots are only retired."""
+  enc = _inputs()
+  _assert_same(_run(ALGOS["speculative"], enc, SAMPLED, refill_batch=2 * N),
+               _run(ALGOS["speculative"], enc, SAMPLED))
+
+
 @pytest.mark.parametrize("name", tiered(sorted(ALGOS), fast=("autoregressive", "speculative",
                                                               "adaptive_schedule")))
 def test_refilled_row_equals_the_row_alone(name):

@@ -362,7 +362,10 @@ def refilling_loop(pool: "LoopContext", batch_size: int, parts_of) -> Any:
   carry = (state, row_arrays(ctx0), jnp.arange(B, dtype=jnp.int32), jnp.int32(B), outs)
   if chunks.shape[0] == 1:
     carry = phase(carry, first_is_all=True)
-  else:  # every phase builds a chunk; the loop's body (the algorithm's) is traced once
+  else:
+    # One phase per chunk after the first, each entered with its rows waiting (nxt < N):
+    # a phase ends when its chunk is used up, the last chunk's when no slot is live. The
+    # algorithm's body is traced once (a separate last phase was a second copy of it).
     carry = jax.lax.while_loop(lambda c: jnp.any(c[2] >= 0), phase, carry)
   return parts.finish(carry[4])
 
