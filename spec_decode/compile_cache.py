@@ -12,10 +12,10 @@ compiled), with token-identical outputs.
 
 Where: $SPEC_DECODE_COMPILE_CACHE if set (0, off, false or no switch it off), else
 ~/.cache/spec_decode/xla/<key>, where key hashes jax's and jaxlib's versions and the CPU
-(its model and /proc/cpuinfo flags, `machine_key`): XLA:CPU compiles for the host's instruction set, so a
-home directory shared between machines never loads a program built for another CPU. A
-cache directory chosen outside (JAX_COMPILATION_CACHE_DIR, or jax.config) is kept as it
-is, as are its settings (the test suite's per-run cache).
+(its model and /proc/cpuinfo flags, `machine_key`): XLA:CPU compiles for the host's
+instruction set, so a home directory shared between machines never loads a program built
+for another CPU. A cache directory chosen outside (JAX_COMPILATION_CACHE_DIR, or
+jax.config) is kept as it is, as are its settings (the test suite's per-run cache).
 
 JAX keys each program by its HLO, compile options, XLA_FLAGS, devices and versions; only
 process 0 of a multi-process run writes. The cache is bounded (`MAX_BYTES`, least
