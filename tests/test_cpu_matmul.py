@@ -948,13 +948,16 @@ def _self_attention_operands(B, S, N, H, lengths, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("B,S,N,H,lengths", [(1, 40, 6, 64, [33]), (3, 21, 3, 20, [21, 6, 0]),
-                                             (2, 9, 2, 16, [9, 1])])
+                                             (2, 9, 2, 16, [9, 1]),
+                                             (2, 301, 2, 64, [283, 0]), (1, 77, 3, 32, [70])])
 def test_self_attention_is_attention_over_the_split_projection(B, S, N, H, lengths):
-  """The encoder's attention read from the joined q/k/v product (K transposed in the
-  kernel's scratch, q and V read in place, the bias by key - query) is the decode attention
-  over split q, K, V with the full bias and the mask per query, bit for bit: with and
-  without a bias, rows of different lengths, a row that sees nothing; and within float32
-  rounding of float64's."""
+  """The encoder's attention read from the joined q/k/v product (K and V copied into the
+  kernel's scratch, q read in place, the bias by key - query) is the decode attention over
+  split q, K, V with the full bias and the mask per query, bit for bit: with and without a
+  bias, rows of different lengths, a row that sees nothing, head_dims that the register
+  blocks divide (64; 32: a whole block on 16-wide vectors) and ones that fall back to the
+  decode tiles (20, 16), lengths that fill neither the last block of queries nor of slots;
+  and within float32 rounding of float64's."""
   (qkv, bias, mask), (q, k, v, full, mask_t) = _self_attention_operands(B, S, N, H, lengths)
   run = jax.jit(cpu_matmul.self_attention, static_argnums=3)
   got = np.asarray(run(qkv, bias, mask, N))
