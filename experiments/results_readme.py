@@ -13,6 +13,7 @@ Default output: <results_dir>/README_results.md, ready to paste into README.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -65,16 +66,48 @@ def _rank(stem: str) -> tuple[int, str]:
   return len(ORDER), stem
 
 
-def _section(stem: str, doc: dict, results_rel: str) -> str:
+def _cpu(doc: dict) -> str | None:
+  """The CPU model a result file's run recorded (e.g. 'AMD EPYC (family 25, model 1)')."""
+  machine = (doc.get("meta") or {}).get("machine") or {}
+  cpu = (machine.get("decoding") or {}).get("cpu") or {}
+  return cpu.get("model") or machine.get("cpu_model")
+
+
+def _title(stem: str, doc: dict) -> str:
+  text = doc.get("readme_markdown") or doc["markdown"]
+  first = text.splitlines()[0] if text else ""
+  return first.lstrip("# ").strip() if first.startswith("#") else stem
+
+
+def _headings(docs: dict[str, dict]) -> dict[str, str]:
+  """{stem: its subsection's heading}: the file's title; where files share a title (a table
+  measured on several CPU families, one file per family), the title and the run's CPU, or
+  the file's name where the CPU does not tell them apart either."""
+  titles = {stem: _title(stem, doc) for stem, doc in docs.items()}
+  count = collections.Counter(titles.values())
+  with_cpu = {stem: f"{titles[stem]} ({_cpu(doc)})" for stem, doc in docs.items()}
+  count_cpu = collections.Counter(with_cpu[s] for s in docs if count[titles[s]] > 1)
+  out = {}
+  for stem, doc in docs.items():
+    if count[titles[stem]] == 1:
+      out[stem] = titles[stem]
+    elif _cpu(doc) and count_cpu[with_cpu[stem]] == 1:
+      out[stem] = with_cpu[stem]
+    else:
+      out[stem] = f"{titles[stem]} ({stem})"
+  return out
+
+
+def _section(stem: str, doc: dict, results_rel: str, title: str | None = None) -> str:
   """One result file as a README subsection (its own markdown, title demoted, links fixed).
 
   A driver's shorter "readme_markdown" is used when it wrote one; run listings
-  ('## Runs') stay in the result files.
+  ('## Runs') stay in the result files. title: the heading (default the file's title).
   """
   text = doc.get("readme_markdown") or doc["markdown"]
   text = re.sub(r"^## Runs\n.*?(?=^## |\Z)", "", text, flags=re.M | re.S)
   lines = text.splitlines()
-  title = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else stem
+  title = title or _title(stem, doc)
   body = "\n".join(lines[1:]).strip("\n")
   body = re.sub(r"^## ", "#### ", body, flags=re.M)
   body = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)",
@@ -95,12 +128,15 @@ def build(results_dir: str) -> str:
            "miniature, they are not the paper's numbers, which are shown alongside.", ""]
   stems = sorted((os.path.splitext(os.path.basename(p))[0]
                   for p in glob.glob(os.path.join(results_dir, "*.json"))), key=_rank)
+  docs = {}
   for stem in stems:
     with open(os.path.join(results_dir, f"{stem}.json"), encoding="utf-8") as f:
       doc = json.load(f)
-    if not isinstance(doc, dict) or "markdown" not in doc:
-      continue  # not a driver's output (e.g. memory_xxl.json, see below)
-    parts.append(_section(stem, doc, rel))
+    if isinstance(doc, dict) and "markdown" in doc:
+      docs[stem] = doc  # else not a driver's output (e.g. memory_xxl.json, see below)
+  headings = _headings(docs)
+  for stem, doc in docs.items():
+    parts.append(_section(stem, doc, rel, headings[stem]))
   if os.path.exists(os.path.join(results_dir, "memory_xxl.md")):
     parts.append(f"### Memory plan of T5-XXL decoding\n\nSee `{rel}/memory_xxl.md`.\n")
   for report in sorted(glob.glob(os.path.join(results_dir, "gpu_*", "README.md"))):

@@ -757,6 +757,21 @@ def test_results_readme(tmp_path):
     results_readme.main(["--results_dir", str(tmp_path / "missing")])
 
 
+def test_results_readme_names_what_tells_files_of_one_title_apart():
+  """Files with one title (a table measured on two CPU families; two runs on one CPU) get
+  headings with their CPU, or their file name where the CPU is the same; a lone title stays."""
+  doc = lambda title, cpu: {"markdown": f"# {title}\n\nbody",
+                            "meta": {"machine": {"decoding": {"cpu": {"model": cpu}}}}}
+  docs = {"table_2": doc("Table 2", "AMD EPYC (family 26, model 2)"),
+          "table_2_amd_epyc_avx2": doc("Table 2", "AMD EPYC (family 25, model 1)"),
+          "heads_a": doc("Heads", "X"), "heads_b": doc("Heads", "X"), "trees": doc("Trees", "X")}
+  assert results_readme._headings(docs) == {
+      "table_2": "Table 2 (AMD EPYC (family 26, model 2))",
+      "table_2_amd_epyc_avx2": "Table 2 (AMD EPYC (family 25, model 1))",
+      "heads_a": "Heads (heads_a)", "heads_b": "Heads (heads_b)", "trees": "Trees"}
+  assert results_readme._section("trees", docs["trees"], "r", "Trees").startswith("### Trees\n")
+
+
 # ------------------------------------------------------------------ demo quality
 @pytest.mark.slow
 def test_demo_quality_scores_the_shipped_models(out, tmp_path):
