@@ -1238,11 +1238,10 @@ void SelfAttendBlocked(const Attention& a, const float* x, int64_t C, int64_t b,
 // transposed copy of K or V is made outside the kernel: each (row, head) item transposes its
 // K into a thread's scratch (in cache) and reads V and q in place, or, for a row of
 // kAttBlockedMinSlots visible positions or more, copies K and V into its scratch in blocks
-// (`SelfAttendBlocked`). bias [N, 2 S - 1] (T5's
-// relative-position bias depends on key - query only): query t's bias over keys l is
-// bias[n, S - 1 - t + l]. mask [B, S]: the keys each query of row b sees. The same
-// `AttendTile` as decode steps, so the same bits as `Attend` over K, V, the full bias and
-// the mask broadcast to every query.
+// (`SelfAttendBlocked`). bias [N, 2 S - 1] (T5's relative-position bias depends on key -
+// query only): query t's bias over keys l is bias[n, S - 1 - t + l]. mask [B, S]: the keys
+// each query of row b sees. The same sums as `AttendTile` of decode steps, so the same bits
+// as `Attend` over K, V, the full bias and the mask broadcast to every query.
 ffi::Error SelfAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> bias,
                       ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
                       int64_t threads, int64_t heads, int64_t has_bias, int64_t dot) {

@@ -301,10 +301,11 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = Fal
   transposed copy of K or V is made outside the kernel (each (row, head) copies its K, and
   for rows of 64 positions or more its V, into a thread's scratch in the order its loops
   read them; such rows run as two blocked matrix products, 6 queries x 16 slots or
-  features per block on AVX2, 12 x 32 on AVX-512). bias_NR [N, 2 S - 1] or None: the relative-position bias by key - query
-  (query t, key l: bias_NR[:, S - 1 - t + l]); mask_BS [B, S]: the keys each row's queries
-  see. -> [B, S, N, H] float32, the same bits as `attention` over the split q, K, V, the
-  full bias and the mask broadcast to every query.
+  features per block on AVX2, 12 x 32 on AVX-512). bias_NR [N, 2 S - 1] or None: the
+  relative-position bias by key - query (query t, key l: bias_NR[:, S - 1 - t + l]);
+  mask_BS [B, S]: the keys each row's queries see. -> [B, S, N, H] float32, the same bits
+  as `attention` over the split q, K, V, the full bias and the mask broadcast to every
+  query.
 
   dot: both products in bfloat16 dot products (AVX512-BF16; `has_bfloat16_dot`): q, K, the
   softmax's weights and V rounded to bfloat16, pairs summed in float32 (twice the
