@@ -2,8 +2,8 @@
 decoded in B slots, each finished row's slot taken by the next row inside the jitted loop.
 
 Oracles: every row's tokens, length and counters equal the plain batched decode's (greedy
-and sampled; the autoregressive, speculative and adaptive (per-row draft length)
-decoders; rows of different lengths so that slots refill at different iterations); a
+and sampled for the autoregressive and speculative decoders, sampled for the adaptive (per-row
+draft length) ones; rows of different lengths so that slots refill at different iterations); a
 refilled row equals that row decoded alone with its row id (batch composition, entry time
 and the slot's previous row do not matter); the sampled sequence law with refilled rows
 passes the chi-square oracle (tests/exactness.py); bad settings are refused by name.
