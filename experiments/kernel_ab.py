@@ -2,6 +2,7 @@ r"""The CPU kernel of this checkout against the kernel of another revision, on t
 
   python -m experiments.kernel_ab --base 4083bfb                 # big EnDe demo target
   python -m experiments.kernel_ab --base HEAD~1 --rows 1,3 --placements cache --name quick
+  python -m experiments.kernel_ab --base HEAD --rows 1,5 --placements decode --repeats 20
 
 Builds `spec_decode/kernels/cpu_matmul.cc` as it is in this checkout and as it was at git
 revision --base (or from the file --base_source), both with the flags the project uses,
@@ -14,17 +15,27 @@ format, row count and placement of the weights:
   weights do.
 Each build takes its fastest variant per shape (what the tuner would choose), one thread,
 the least time over --repeats rounds; the two builds take turns within each round (the
-order reversed every other round), so load from elsewhere falls on both alike. A kernel
-change is judged by these ratios, measured in one run, not by two runs of a decoder at
-different times: on a noisy 2-core machine end-to-end figures move by more than most
-kernel changes. Writes <results_dir>/kernel_ab_<cpu family>[_<name>].{md,csv,json}.
+order reversed every other round), so load from elsewhere falls on both alike.
+- decode: the target's whole decode step of `rows` tokens at batch 1 (`timing.step_time`'s
+  marginal cost inside a jitted loop: the products on the kernel's threads as decoding
+  runs them, its attention, XLA's own fusions), one compiled loop per build in this
+  process (the base build's handlers registered under target names of their own), the
+  loops taking turns in each of --repeats rounds; both use the variants this checkout's
+  tuner chose (SPEC_DECODE_CPU_KERNEL_VARIANT pins one). Reported: each build's median
+  and the median over rounds of the per-round ratio. Single-thread sweeps can miss what
+  two threads sharing the memory do; this measures it.
+A kernel change is judged by these ratios, measured in one run, not by two runs of a
+decoder at different times: on a noisy 2-core machine end-to-end figures move by more than
+most kernel changes. Writes <results_dir>/kernel_ab_<cpu family>[_<name>].{md,csv,json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,7 +44,7 @@ from typing import Any, Sequence
 from experiments import harness, kernel_variants, roofline
 from experiments.harness import Column, Output, fmt
 
-PLACEMENTS = ("stream", "cache")
+PLACEMENTS = ("stream", "cache", "decode")
 
 
 def base_source(args) -> tuple[str, str]:
@@ -58,9 +69,10 @@ def _load(path: Path):
   return lib
 
 
-def builds(text: str) -> dict[str, Any]:
-  """{'base': library, 'this': library}: the base source and this checkout's, built as
-  `cpu_matmul` builds its kernel (cached by source, compiler and flags)."""
+def builds(text: str) -> tuple[dict[str, Any], Path]:
+  """({'base': library, 'this': library}, the base library's path): the base source and
+  this checkout's, built as `cpu_matmul` builds its kernel (cached by source, compiler and
+  flags)."""
   import jax
 
   from spec_decode import native
@@ -72,7 +84,82 @@ def builds(text: str) -> dict[str, Any]:
     src.write_text(text)
     base = native.build(src, flags, depends_on=depends)
   return {"base": _load(base), "this": _load(native.build(cpu_matmul._SOURCE, flags,
-                                                         depends_on=depends))}
+                                                         depends_on=depends))}, base
+
+
+BASE_PREFIX = "kernel_ab_base_"
+
+
+def register_base(path: Path) -> None:
+  """Registers the base library's FFI handlers with jax under BASE_PREFIX + each target's
+  name (this checkout's keep theirs, registered by `cpu_matmul`)."""
+  import jax
+
+  from spec_decode.kernels import cpu_matmul
+  if cpu_matmul.unavailable_reason() is not None:  # registers this checkout's first
+    raise SystemExit(f"the CPU kernel is unavailable: {cpu_matmul.unavailable_reason()}")
+  lib = ctypes.CDLL(str(path))
+  for target, symbol in _target_pairs():
+    jax.ffi.register_ffi_target(BASE_PREFIX + target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                platform="cpu")
+
+
+def _target_pairs():
+  from spec_decode.kernels import cpu_matmul
+  return (*cpu_matmul._TARGETS.values(), cpu_matmul._ATTENTION_TARGET,
+          cpu_matmul._SELF_ATTENTION_TARGET, cpu_matmul._KV_LAYOUT_TARGET)
+
+
+@contextlib.contextmanager
+def base_targets():
+  """Within: programs traced call the base build's handlers (`register_base`)."""
+  from spec_decode.kernels import cpu_matmul
+  names = ("_ATTENTION_TARGET", "_SELF_ATTENTION_TARGET", "_KV_LAYOUT_TARGET")
+  saved = {n: getattr(cpu_matmul, n) for n in names}, cpu_matmul._TARGETS
+  try:
+    for n, (target, symbol) in saved[0].items():
+      setattr(cpu_matmul, n, (BASE_PREFIX + target, symbol))
+    cpu_matmul._TARGETS = {k: (BASE_PREFIX + t, sym) for k, (t, sym) in saved[1].items()}
+    yield
+  finally:
+    for n, value in saved[0].items():
+      setattr(cpu_matmul, n, value)
+    cpu_matmul._TARGETS = saved[1]
+
+
+def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
+                input_length: int = 32, position: int = 24) -> dict[str, Any]:
+  """Seconds per decode step of `tokens` tokens (batch 1) with each build's loop, compiled
+  in turn (the base inside `base_targets`) and timed taking turns: {'base': median,
+  'this': median, 'ratio': the median over rounds of this / base}."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from spec_decode.decoding import timing
+  enc = jnp.asarray(np.random.RandomState(0).randint(
+      2, model.vocab_size, (1, input_length)).astype(np.int32))
+  cache_length = position + tokens + 1
+  loops = {}
+  for name in ("base", "this"):
+    timing._jitted_steps.cache_clear()  # a fresh jit per build: no trace shared between them
+    make = lambda k: timing.decode_loop(model, params, enc, num_tokens=tokens,
+                                        cache_length=cache_length, position=position, steps=k)
+    with base_targets() if name == "base" else contextlib.nullcontext():
+      pair = timing.marginal_pair(make, steps)
+      for f in pair:  # traced and compiled here, with this build's target names
+        jax.block_until_ready(f())
+    loops[name] = pair
+  timing._jitted_steps.cache_clear()
+  # The builds take turns, the order reversed every other round: whichever loop runs
+  # second in a round measured up to ~10% slower at 1 token in A/A runs of one build.
+  rounds: dict[str, list[float]] = {"base": [], "this": []}
+  for r in range(repeats):
+    for name in (("base", "this") if r % 2 == 0 else ("this", "base")):
+      rounds[name].append(timing.interleaved({name: loops[name]}, repeats=1, warmup=1)[name][0])
+  ratios = [t / b for t, b in zip(rounds["this"], rounds["base"])]
+  return {"base": statistics.median(rounds["base"]), "this": statistics.median(rounds["this"]),
+          "ratio": statistics.median(ratios)}
 
 
 def time_shape(libs, M: int, K: int, N: int, dtype, pairs: bool, variants, *, cached: bool,
@@ -103,7 +190,9 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   if info["kernel"] != "on":
     raise SystemExit(f"the CPU kernel is {info['kernel']}: nothing to compare")
   text, what = base_source(args)
-  libs = builds(text)
+  libs, base_path = builds(text)
+  if "decode" in args.placements:
+    register_base(base_path)
   variants = cpu_matmul.variants()
   models = harness.load_models(args.target)
   rows = []
@@ -114,6 +203,15 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
       raise SystemExit(f"{args.target}: no decoder matrix is packed for the kernel")
     for placement in args.placements:
       for m in args.rows:
+        if placement == "decode":
+          t = time_decode(model, models.target_params, m, repeats=args.repeats)
+          row = {"weights": weights, "placement": placement, "rows": m,
+                 "base_ms": t["base"] * 1e3, "this_ms": t["this"] * 1e3, "ratio": t["ratio"]}
+          rows.append(row)
+          print(f"  {weights} decode step, {m} tokens: base {row['base_ms']:.3f} ms, this "
+                f"{row['this_ms']:.3f} ms, this / base (median of rounds) {row['ratio']:.3f}",
+                flush=True)
+          continue
         total = {"base": 0.0, "this": 0.0}
         for (K, N, dtype, pairs), count in shapes.items():
           t = time_shape(libs, m, K, N, dtype, pairs, variants,
@@ -136,7 +234,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--base_source", default=None,
                  help="a cpu_matmul.cc file to compare with instead of --base")
   kernel_variants.add_shape_args(p, "1,2,3,4,5,6,7,8")
-  p.add_argument("--placements", default=",".join(PLACEMENTS),
+  p.add_argument("--placements", default="stream,cache",
                  help=f"comma list of {PLACEMENTS}")
   args = p.parse_args(list(argv))
   kernel_variants.check_shape_args(p, args)
@@ -163,7 +261,10 @@ def run(args, meta: dict) -> Output:
            "how many the decoder has), one thread, each build's fastest variant per shape; "
            f"the least of {args.repeats} rounds, the builds taking turns within each round. "
            "stream: the weights read from memory (copies through 48 MiB); cache: one matrix "
-           "again and again (as a small draft's weights stay in the caches).",
+           "again and again (as a small draft's weights stay in the caches). decode: the "
+           "target's decode step of `rows` tokens at batch 1, two threads as decoding runs it "
+           f"(marginal cost in a jitted loop), each build's median over {args.repeats} rounds; "
+           "its ratio is the median of the rounds' ratios.",
            "this / base < 1: this checkout's kernel is faster. Both builds give the same bits "
            "(tests/test_cpu_matmul.py checks every variant against float32 and float64)."]
   return Output(roofline.result_stem("kernel_ab", info, args.name),

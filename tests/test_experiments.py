@@ -1084,6 +1084,39 @@ def test_kernel_ab_times_two_builds_of_the_kernel(tmp_path):
     kernel_ab.parse_args(["--placements", "disk"])
 
 
+def test_kernel_ab_decode_runs_the_base_build_in_the_same_process(tmp_path):
+  """--placements decode: programs traced inside `base_targets` call the base library's
+  handlers (registered under names of their own), those outside this checkout's; both give
+  the same products here (the base is this source), and the decode row times both."""
+  import jax
+  import jax.numpy as jnp
+  from experiments import kernel_ab
+  from spec_decode.kernels import cpu_matmul
+  if cpu_matmul.describe()["kernel"] != "on":
+    pytest.skip("the CPU kernel is off here")
+  _, base_path = kernel_ab.builds(cpu_matmul._SOURCE.read_text())
+  kernel_ab.register_base(base_path)
+  w = cpu_matmul.pack(np.random.RandomState(0).randn(64, 48).astype(np.float32))
+  x = jnp.asarray(np.random.RandomState(1).randn(3, 64).astype(np.float32))
+  product = lambda: jax.jit(lambda x: cpu_matmul.matmul(x, w))  # a fresh trace each time
+  with kernel_ab.base_targets():
+    base = product()
+    base_text, base_y = base.lower(x).as_text(), base(x)
+  this = product()
+  this_text = this.lower(x).as_text()
+  assert kernel_ab.BASE_PREFIX + "spec_decode_small_m_matmul" in base_text
+  assert kernel_ab.BASE_PREFIX not in this_text and "spec_decode_small_m_matmul" in this_text
+  np.testing.assert_array_equal(np.asarray(base_y), np.asarray(this(x)))
+  assert cpu_matmul._TARGETS[(False, False)][0] == "spec_decode_small_m_matmul"  # restored
+  paths = kernel_ab.main(["--base_source", str(cpu_matmul._SOURCE), "--target",
+                          "demo:ende_target", "--rows", "2", "--kernel_weights", "float32",
+                          "--placements", "decode", "--repeats", "2", "--name", "tiny",
+                          "--results_dir", str(tmp_path)])
+  (row,) = json.loads(open(paths["json"]).read())["rows"]
+  assert (row["placement"], row["rows"]) == ("decode", 2)
+  assert row["base_ms"] > 0 and row["this_ms"] > 0 and row["ratio"] > 0
+
+
 def test_table4_flags_a_set_up_timed_longer_than_the_decode():
   """A run whose separately timed set-up exceeds its autoregressive seconds per example (two
   clocks that disagree: a tiny model under load) gets a note saying so in Table 4; a
