@@ -151,8 +151,8 @@ def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
         jax.block_until_ready(f())
     loops[name] = pair
   timing._jitted_steps.cache_clear()
-  # The builds take turns, the order reversed every other round: whichever loop runs
-  # second in a round measured up to ~10% slower at 1 token in A/A runs of one build.
+  # The builds take turns, the order reversed every other round (with a fixed order, A/A
+  # runs of one build read 1.00 and 1.06 at 1 token: the second loop of a round can lose).
   rounds: dict[str, list[float]] = {"base": [], "this": []}
   for r in range(repeats):
     for name in (("base", "this") if r % 2 == 0 else ("this", "base")):
