@@ -256,17 +256,24 @@ def run(args, meta: dict) -> Output:
           Column("ratio", "this / base", lambda x: fmt(x, 3))]
   info = machine["cpu"]
   notes = [f"CPU: {info['model']}, features {', '.join(info['features']) or 'none listed'}; "
-           f"target {args.target}; base kernel: {machine['base']}.",
-           "Time of one decode step's products with the decoder's matrices (each shape times "
-           "how many the decoder has), one thread, each build's fastest variant per shape; "
-           f"the least of {args.repeats} rounds, the builds taking turns within each round. "
-           "stream: the weights read from memory (copies through 48 MiB); cache: one matrix "
-           "again and again (as a small draft's weights stay in the caches). decode: the "
-           "target's decode step of `rows` tokens at batch 1, two threads as decoding runs it "
-           f"(marginal cost in a jitted loop), each build's median over {args.repeats} rounds; "
-           "its ratio is the median of the rounds' ratios.",
-           "this / base < 1: this checkout's kernel is faster. Both builds give the same bits "
-           "(tests/test_cpu_matmul.py checks every variant against float32 and float64)."]
+           f"target {args.target}; base kernel: {machine['base']}."]
+  if set(args.placements) & {"stream", "cache"}:
+    notes.append(
+        "stream / cache: time of one decode step's products with the decoder's matrices "
+        "(each shape times how many the decoder has), one thread, each build's fastest "
+        f"variant per shape; the least of {args.repeats} rounds, the builds taking turns "
+        "within each round. stream: the weights read from memory (copies through 48 MiB); "
+        "cache: one matrix again and again (as a small draft's weights stay in the caches).")
+  if "decode" in args.placements:
+    notes.append(
+        "decode: the target's whole decode step of `rows` tokens at batch 1 (marginal cost "
+        "in a jitted loop; the products on two threads as decoding runs them, attention, "
+        "XLA's fusions), both builds with the variants this checkout's tuner chose; each "
+        f"build's median over {args.repeats} rounds, the order reversed every other round; "
+        "'this / base' is the median of the rounds' ratios.")
+  notes.append("this / base < 1: this checkout's kernel is faster. Both builds give the same "
+               "bits (tests/test_cpu_matmul.py checks every variant against float32 and "
+               "float64).")
   return Output(roofline.result_stem("kernel_ab", info, args.name),
                 f"CPU kernel against {machine['base']} ({info['model']})", cols, rows,
                 notes=notes)
