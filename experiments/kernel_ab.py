@@ -93,38 +93,16 @@ BASE_PREFIX = "kernel_ab_base_"
 def register_base(path: Path) -> None:
   """Registers the base library's FFI handlers with jax under BASE_PREFIX + each target's
   name (this checkout's keep theirs, registered by `cpu_matmul`)."""
-  import jax
-
   from spec_decode.kernels import cpu_matmul
   if cpu_matmul.unavailable_reason() is not None:  # registers this checkout's first
     raise SystemExit(f"the CPU kernel is unavailable: {cpu_matmul.unavailable_reason()}")
-  lib = ctypes.CDLL(str(path))
-  for target, symbol in _target_pairs():
-    jax.ffi.register_ffi_target(BASE_PREFIX + target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                platform="cpu")
+  cpu_matmul.register_handlers(ctypes.CDLL(str(path)), BASE_PREFIX)
 
 
-def _target_pairs():
-  from spec_decode.kernels import cpu_matmul
-  return (*cpu_matmul._TARGETS.values(), cpu_matmul._ATTENTION_TARGET,
-          cpu_matmul._SELF_ATTENTION_TARGET, cpu_matmul._KV_LAYOUT_TARGET)
-
-
-@contextlib.contextmanager
 def base_targets():
   """Within: programs traced call the base build's handlers (`register_base`)."""
   from spec_decode.kernels import cpu_matmul
-  names = ("_ATTENTION_TARGET", "_SELF_ATTENTION_TARGET", "_KV_LAYOUT_TARGET")
-  saved = {n: getattr(cpu_matmul, n) for n in names}, cpu_matmul._TARGETS
-  try:
-    for n, (target, symbol) in saved[0].items():
-      setattr(cpu_matmul, n, (BASE_PREFIX + target, symbol))
-    cpu_matmul._TARGETS = {k: (BASE_PREFIX + t, sym) for k, (t, sym) in saved[1].items()}
-    yield
-  finally:
-    for n, value in saved[0].items():
-      setattr(cpu_matmul, n, value)
-    cpu_matmul._TARGETS = saved[1]
+  return cpu_matmul.handlers_under(BASE_PREFIX)
 
 
 def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
@@ -153,10 +131,7 @@ def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
   timing._jitted_steps.cache_clear()
   # The builds take turns, the order reversed every other round (with a fixed order, A/A
   # runs of one build read 1.00 and 1.06 at 1 token: the second loop of a round can lose).
-  rounds: dict[str, list[float]] = {"base": [], "this": []}
-  for r in range(repeats):
-    for name in (("base", "this") if r % 2 == 0 else ("this", "base")):
-      rounds[name].append(timing.interleaved({name: loops[name]}, repeats=1, warmup=1)[name][0])
+  rounds = timing.interleaved(loops, repeats=repeats, alternate=True)
   ratios = [t / b for t, b in zip(rounds["this"], rounds["base"])]
   return {"base": statistics.median(rounds["base"]), "this": statistics.median(rounds["this"]),
           "ratio": statistics.median(ratios)}

@@ -237,3 +237,23 @@ def test_in_loop_costs_are_refused_for_sharded_runs():
   with pytest.raises(ValueError, match="unsharded runs only"):
     experiment.step_costs(w, {"chain": decoding.Speculative(gamma=2)}, repeats=1,
                           in_loop=True)
+
+
+def test_interleaved_alternates_the_order_when_asked():
+  """alternate=True reverses the loops' order every other round (an A/B's second loop of a
+  round can lose to the first); by default every round runs them in the given order."""
+  calls = []
+
+  def loop(name):
+    def f():
+      calls.append(name)
+      return np.zeros(())
+    f.steps = 1
+    return f
+
+  for alternate, want in ((False, list("abab")), (True, list("abba"))):
+    calls.clear()
+    out = timing.interleaved({"a": loop("a"), "b": loop("b")}, repeats=2, warmup=1,
+                             alternate=alternate)
+    assert calls[2:] == want  # after one warm-up call each
+    assert {k: len(v) for k, v in out.items()} == {"a": 2, "b": 2}

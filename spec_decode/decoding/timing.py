@@ -202,7 +202,7 @@ def spread(values) -> dict[str, float]:
 
 
 def interleaved(loops: Mapping[str, Any], *, repeats: int, warmup: int = 2,
-                inner: int = 1) -> dict[str, list[float]]:
+                inner: int = 1, alternate: bool = False) -> dict[str, list[float]]:
   """Seconds per step of each loop, one value per round.
 
   A value of `loops` is a zero-argument loop with `.steps` (its time is divided by it),
@@ -210,7 +210,8 @@ def interleaved(loops: Mapping[str, Any], *, repeats: int, warmup: int = 2,
   the marginal cost of one more step, (t(2k) - t(k)) / k, free of the fixed cost every
   call pays once (t(2k) / 2k in a round where noise makes the difference non-positive).
   Everything is compiled and warmed up first; then `repeats` rounds time every loop in
-  turn (the median of `inner` calls each).
+  turn (the median of `inner` calls each); alternate: in reverse order every other round
+  (for an A/B of two loops, where the second of a round can lose to the first).
   """
   if repeats < 1 or inner < 1 or warmup < 1:
     raise ValueError(f"need repeats, inner and warmup >= 1, got {repeats}, {inner}, {warmup}")
@@ -218,8 +219,9 @@ def interleaved(loops: Mapping[str, Any], *, repeats: int, warmup: int = 2,
     for g in (f if isinstance(f, tuple) else (f,)):
       timed(g, repeats=1, warmup=warmup - 1)
   out: dict[str, list[float]] = {name: [] for name in loops}
-  for _ in range(repeats):
-    for name, f in loops.items():
+  order = list(loops.items())
+  for r in range(repeats):
+    for name, f in (order[::-1] if alternate and r % 2 else order):
       if isinstance(f, tuple):
         short, long = f
         t_short = timed(short, repeats=inner).median

@@ -192,6 +192,24 @@ struct Problem {
 // A bfloat16 dot-product panel entry: W[2 kk, n] and W[2 kk + 1, n] side by side.
 struct Pair { uint16_t v[2]; };
 
+// A block row's NV accumulator vectors (its 16 P columns in order) -> y, the first `cols`
+// columns. Whole panels (every block but a matrix's last when N is not a multiple of 16) go
+// out as vector stores; a partial one through a buffer. (Every row through the buffer was a
+// libc memcpy of a size known only at run time, a call per row and block: 3.6% of both
+// threads' time in a 5-token verify call of the big EnDe target, AVX2 AMD EPYC family 25,
+// `perf record`.)
+template <typename V, int NV>
+inline void StoreRow(float* y, const V (&acc)[NV], int64_t cols) {
+  constexpr int lanes = Lanes<V>();
+  if (cols == NV * lanes) {
+    for (int b = 0; b < NV; ++b) std::memcpy(y + lanes * b, &acc[b], sizeof(V));
+    return;
+  }
+  float tmp[NV * lanes];
+  for (int b = 0; b < NV; ++b) std::memcpy(tmp + lanes * b, &acc[b], sizeof(V));
+  std::memcpy(y, tmp, cols * sizeof(float));
+}
+
 // R rows of x (row stride K) times P adjacent panels [K, 16] starting at panel j -> y rows
 // (stride N), the first `cols` (<= 16 P) columns. Few rows take several panels at once so
 // that enough independent accumulator chains cover the FMA latency; the order of the sum
@@ -253,21 +271,8 @@ void Block(const Problem<T>& p, int64_t m, int64_t j, int64_t cols) {
       for (int r = 0; r < R; ++r) acc[r][b] *= s;
     }
   }
-  // Whole panels (every block but a matrix's last when N is not a multiple of 16) are
-  // stored with vector stores. Through the buffer, each row's store was a libc memcpy of a
-  // size known only at run time: a call per row and block, 3.6% of both threads' time in
-  // a 5-token verify call of the big EnDe target (AVX2 AMD EPYC, `perf record`).
   float* y = p.y + m * p.N + j * kPanel;
-  for (int r = 0; r < R; ++r) {
-    if (cols == kPanel * P) {
-      for (int b = 0; b < P * B; ++b)
-        std::memcpy(y + r * p.N + Lanes<V>() * b, &acc[r][b], sizeof(V));
-      continue;
-    }
-    float tmp[kPanel * P];
-    for (int b = 0; b < P * B; ++b) std::memcpy(tmp + Lanes<V>() * b, &acc[r][b], sizeof(V));
-    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
-  }
+  for (int r = 0; r < R; ++r) StoreRow(y + r * p.N, acc[r], cols);
 }
 
 template <typename T>
@@ -433,15 +438,7 @@ void DotBlock16(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
     }
   }
   float* y = p.y + m * p.N + j * kPanel;
-  for (int r = 0; r < R; ++r) {
-    if (cols == kPanel * P) {  // whole panels: vector stores (see `Block`)
-      for (int q = 0; q < P; ++q) _mm512_storeu_ps(y + r * p.N + kPanel * q, acc[r][q]);
-      continue;
-    }
-    float tmp[kPanel * P];
-    for (int q = 0; q < P; ++q) _mm512_storeu_ps(tmp + kPanel * q, acc[r][q]);
-    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
-  }
+  for (int r = 0; r < R; ++r) StoreRow(y + r * p.N, acc[r], cols);
 }
 
 template <int R, int P, bool PF, bool PIN>
@@ -472,15 +469,7 @@ void DotBlock8(const Problem<Pair>& p, int64_t m, int64_t j, int64_t cols) {
     }
   }
   float* y = p.y + m * p.N + j * kPanel;
-  for (int r = 0; r < R; ++r) {
-    if (cols == kPanel * P) {  // whole panels: vector stores (see `Block`)
-      for (int b = 0; b < 2 * P; ++b) _mm256_storeu_ps(y + r * p.N + 8 * b, acc[r][b]);
-      continue;
-    }
-    float tmp[kPanel * P];
-    for (int b = 0; b < 2 * P; ++b) _mm256_storeu_ps(tmp + 8 * b, acc[r][b]);
-    std::memcpy(y + r * p.N, tmp, cols * sizeof(float));
-  }
+  for (int r = 0; r < R; ++r) StoreRow(y + r * p.N, acc[r], cols);
 }
 
 template <bool PF, bool PIN>

@@ -50,6 +50,7 @@ models keep XLA's dots; outputs are the same up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -87,6 +88,35 @@ _ATTENTION_TARGET = ("spec_decode_decode_attention", "SpecDecodeAttention")
 # key/value product in the cache's layouts (`kv_layout`).
 _SELF_ATTENTION_TARGET = ("spec_decode_self_attention", "SpecDecodeSelfAttention")
 _KV_LAYOUT_TARGET = ("spec_decode_kv_layout", "SpecDecodeKvLayout")
+# Prefixed to every target name a traced call uses (`handlers_under`); "" for this build's.
+_target_prefix = ""
+
+
+def ffi_targets() -> tuple[tuple[str, str], ...]:
+  """(jax FFI target, the library's handler symbol) of every handler the kernel registers."""
+  return (*_TARGETS.values(), _ATTENTION_TARGET, _SELF_ATTENTION_TARGET, _KV_LAYOUT_TARGET)
+
+
+def register_handlers(lib, prefix: str = "") -> None:
+  """Registers a loaded kernel library's handlers with jax, each as prefix + its target
+  (this build's under their own names; another build's, for an A/B in one process,
+  under a prefix of its own: `handlers_under`)."""
+  for target, symbol in ffi_targets():
+    jax.ffi.register_ffi_target(prefix + target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                platform="cpu")
+
+
+@contextlib.contextmanager
+def handlers_under(prefix: str):
+  """Within: programs traced call the handlers `register_handlers` registered under
+  `prefix` (another build of this kernel, `experiments.kernel_ab`). Programs traced
+  earlier keep the handlers they were traced with."""
+  global _target_prefix
+  saved, _target_prefix = _target_prefix, prefix
+  try:
+    yield
+  finally:
+    _target_prefix = saved
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
 # `T5.decode_params`). Per product, XLA's single-row dot on a 64 x 64 or 64 x 192 matrix is
@@ -239,7 +269,7 @@ def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6, rows=None) 
     attrs["eps"] = np.float32(eps)
   args.append(jnp.reshape(jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32), (1,)))
   target = _TARGETS[(kernel.scales is not None, norm is not None)][0]
-  y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)
+  y = jax.ffi.ffi_call(_target_prefix + target, out, vmap_method="sequential")(*args, **attrs)
   return y.reshape(*lead, N)
 
 
@@ -271,7 +301,8 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
   else:
     bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
   out = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
-  return jax.ffi.ffi_call(_ATTENTION_TARGET[0], out, vmap_method="sequential")(
+  target = _target_prefix + _ATTENTION_TARGET[0]
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
       f32(q_BTNH), f32(k_BNHL), f32(v_BNLH), bias, mask, threads=np.int64(_threads()),
       has_bias=np.int64(has_bias))
 
@@ -325,7 +356,8 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = Fal
   bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))
   mask = jnp.broadcast_to(mask_BS, (B, S)).astype(bool)
   out = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
-  return jax.ffi.ffi_call(_SELF_ATTENTION_TARGET[0], out, vmap_method="sequential")(
+  target = _target_prefix + _SELF_ATTENTION_TARGET[0]
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
       qkv_BSC.astype(jnp.float32), bias, mask, threads=np.int64(_threads()), heads=np.int64(N),
       has_bias=np.int64(has_bias), dot=np.int64(bool(dot)))
 
@@ -337,7 +369,8 @@ def kv_layout(kv_BSC, num_heads: int) -> tuple[jax.Array, jax.Array]:
   B, S, N, H = _joined_heads(kv_BSC, num_heads, 2, "kv_layout: kv")
   outs = (jax.ShapeDtypeStruct((B, N, H, S), jnp.float32),
           jax.ShapeDtypeStruct((B, N, S, H), jnp.float32))
-  return tuple(jax.ffi.ffi_call(_KV_LAYOUT_TARGET[0], outs, vmap_method="sequential")(
+  target = _target_prefix + _KV_LAYOUT_TARGET[0]
+  return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
       kv_BSC.astype(jnp.float32), threads=np.int64(_threads()), heads=np.int64(N)))
 
 
@@ -408,10 +441,7 @@ def _register() -> str | None:
   try:
     path = _build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in (*_TARGETS.values(), _ATTENTION_TARGET, _SELF_ATTENTION_TARGET,
-                           _KV_LAYOUT_TARGET):
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                  platform="cpu")
+    register_handlers(lib)
     lib.spec_decode_widths.restype = ctypes.c_int64
     lib.spec_decode_has_bf16_dot.restype = ctypes.c_int
     lib.spec_decode_sweep.restype = ctypes.c_double
