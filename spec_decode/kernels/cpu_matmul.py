@@ -117,6 +117,14 @@ def handlers_under(prefix: str):
     yield
   finally:
     _target_prefix = saved
+
+
+def _ffi_call(target: str, out):
+  """jax's FFI call of one of the kernel's targets (its name, unprefixed) under the
+  handlers in use (`handlers_under`)."""
+  return jax.ffi.ffi_call(_target_prefix + target, out, vmap_method="sequential")
+
+
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 # Weight matrices with fewer elements than this keep XLA's dot (per matrix, in
 # `T5.decode_params`). Per product, XLA's single-row dot on a 64 x 64 or 64 x 192 matrix is
@@ -269,7 +277,7 @@ def matmul(x, kernel: PackedKernel, *, norm=None, eps: float = 1e-6, rows=None) 
     attrs["eps"] = np.float32(eps)
   args.append(jnp.reshape(jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32), (1,)))
   target = _TARGETS[(kernel.scales is not None, norm is not None)][0]
-  y = jax.ffi.ffi_call(_target_prefix + target, out, vmap_method="sequential")(*args, **attrs)
+  y = _ffi_call(target, out)(*args, **attrs)
   return y.reshape(*lead, N)
 
 
@@ -301,8 +309,7 @@ def attention(q_BTNH, k_BNHL, v_BNLH, bias_BNTL, mask_BTL) -> jax.Array:
   else:
     bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
   out = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
-  target = _target_prefix + _ATTENTION_TARGET[0]
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+  return _ffi_call(_ATTENTION_TARGET[0], out)(
       f32(q_BTNH), f32(k_BNHL), f32(v_BNLH), bias, mask, threads=np.int64(_threads()),
       has_bias=np.int64(has_bias))
 
@@ -356,8 +363,7 @@ def self_attention(qkv_BSC, bias_NR, mask_BS, num_heads: int, *, dot: bool = Fal
   bias = (bias_NR.astype(jnp.float32) if has_bias else jnp.zeros((1, 1), jnp.float32))
   mask = jnp.broadcast_to(mask_BS, (B, S)).astype(bool)
   out = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
-  target = _target_prefix + _SELF_ATTENTION_TARGET[0]
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+  return _ffi_call(_SELF_ATTENTION_TARGET[0], out)(
       qkv_BSC.astype(jnp.float32), bias, mask, threads=np.int64(_threads()), heads=np.int64(N),
       has_bias=np.int64(has_bias), dot=np.int64(bool(dot)))
 
@@ -369,8 +375,7 @@ def kv_layout(kv_BSC, num_heads: int) -> tuple[jax.Array, jax.Array]:
   B, S, N, H = _joined_heads(kv_BSC, num_heads, 2, "kv_layout: kv")
   outs = (jax.ShapeDtypeStruct((B, N, H, S), jnp.float32),
           jax.ShapeDtypeStruct((B, N, S, H), jnp.float32))
-  target = _target_prefix + _KV_LAYOUT_TARGET[0]
-  return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
+  return tuple(_ffi_call(_KV_LAYOUT_TARGET[0], outs)(
       kv_BSC.astype(jnp.float32), threads=np.int64(_threads()), heads=np.int64(N)))
 
 
