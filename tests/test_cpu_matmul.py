@@ -429,10 +429,11 @@ def test_model_spec_kernel_weights(pack_small, tmp_path):
     loaded, p = model_specs.load(spec, model_specs.LoadContext("target"))
     assert loaded.kernel_weights == "int8" and wo(loaded.decode_params(p)).dtype == jnp.int8
     assert spec.to_json()["kernel_weights"] == "int8"
-  spec = model_specs.ModelSpec(checkpoint=path, setup_kernel_weights="bfloat16_dot_if_supported")
-  loaded, _ = model_specs.load(spec, model_specs.LoadContext("target"))
-  assert loaded.setup_kernel_weights == "bfloat16_dot_if_supported"
-  assert spec.to_json()["setup_kernel_weights"] == "bfloat16_dot_if_supported"
+  for field in ("kernel_weights", "setup_kernel_weights"):
+    spec = model_specs.ModelSpec(checkpoint=path, **{field: "bfloat16_dot_if_supported"})
+    loaded, _ = model_specs.load(spec, model_specs.LoadContext("target"))
+    assert getattr(loaded, field) == "bfloat16_dot_if_supported"
+    assert spec.to_json()[field] == "bfloat16_dot_if_supported"
   plain, _ = model_specs.load(model_specs.ModelSpec(checkpoint=path),
                               model_specs.LoadContext("target"))
   for field, value, default in (("kernel_weights", "int8", "auto"),
@@ -627,6 +628,29 @@ def test_t5_setup_kernel_weights(pack_small, monkeypatch):
   assert not any(_pairs_by_part(anywhere.decode_params(fresh)).values())
   with pytest.raises(ValueError, match="setup_kernel_weights='bfloat16_dot' needs a CPU"):
     setup.decode_params(fresh)
+
+
+@needs_kernel
+def test_t5_kernel_weights_bfloat16_dot_if_supported(pack_small, monkeypatch):
+  """`kernel_weights='bfloat16_dot_if_supported'` packs every kernel as 'bfloat16_dot' does
+  on a CPU with AVX512-BF16 (the same bits), and as 'auto' does on one without it; the
+  set-up's 'same' follows what it resolved to."""
+  model, params = _mini()
+  enc = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 2, 100)
+  anywhere = t5.T5(model.config, kernel_weights="bfloat16_dot_if_supported")
+  packed = anywhere.decode_params(params)
+  if cpu_matmul.has_bfloat16_dot():
+    dot = t5.T5(model.config, kernel_weights="bfloat16_dot")
+    assert all(_pairs_by_part(packed).values())
+    np.testing.assert_array_equal(np.asarray(anywhere.encode(packed, enc).hidden),
+                                  np.asarray(dot.encode(dot.decode_params(params), enc).hidden))
+  monkeypatch.setattr(cpu_matmul, "has_bfloat16_dot", lambda: False)
+  fresh = jax.tree.map(lambda x: x + 0, params)  # another tree: packed again
+  without = anywhere.decode_params(fresh)
+  assert not any(_pairs_by_part(without).values())
+  jax.tree.map(np.testing.assert_array_equal, without, model.decode_params(fresh))
+  with pytest.raises(ValueError, match="kernel_weights must be one of"):
+    t5.T5(model.config, kernel_weights="bfloat16_dot_if_possible")
 
 
 @needs_kernel

@@ -26,7 +26,6 @@ import spec_decode.heads  # noqa: F401  (every head network registers its checkp
 from spec_decode import configurable
 from spec_decode.checkpoints import heads as head_checkpoints
 from spec_decode.checkpoints import storage
-from spec_decode.kernels import cpu_matmul
 from spec_decode.models import offload, t5
 from spec_decode.paths import resolve_checkpoint
 
@@ -69,9 +68,10 @@ class ModelSpec:
   kernel_weights: t5 only: `T5.kernel_weights`, how the CPU decoding kernel stores the
     weights it packs ('auto', 'float32', 'bfloat16', 'int8', 'bfloat16_dot'; the last
     three change the model's function, 'bfloat16_dot' doubles the multiply-adds per
-    instruction for compute-bound batches on CPUs with AVX512-BF16). Every decoder of the
-    experiment uses the same model, so their comparison stays exact. Recorded when not
-    'auto'.
+    instruction for compute-bound batches on CPUs with AVX512-BF16), or
+    'bfloat16_dot_if_supported' ('bfloat16_dot' where the CPU has AVX512-BF16, else 'auto').
+    Every decoder of the experiment uses the same model, so their comparison stays exact.
+    Recorded when not 'auto'.
   setup_kernel_weights: t5 only: `T5.setup_kernel_weights`, the same for the weights only
     each example's set-up multiplies by (the encoder's, the cross-attention key/value):
     'same' (default), one of the above, or 'bfloat16_dot_if_supported'. Recorded when not
@@ -115,8 +115,8 @@ class ModelSpec:
     if self.offload and self.kind != "t5":
       raise ValueError(f"ModelSpec.offload streams a T5's parameters from host memory; a "
                        f"{self.kind!r} model cannot be offloaded (use kind='t5')")
-    if self.kernel_weights not in cpu_matmul.WEIGHTS:
-      raise ValueError(f"ModelSpec.kernel_weights must be one of {cpu_matmul.WEIGHTS}, got "
+    if self.kernel_weights not in t5.KERNEL_WEIGHTS:
+      raise ValueError(f"ModelSpec.kernel_weights must be one of {t5.KERNEL_WEIGHTS}, got "
                        f"{self.kernel_weights!r}")
     if self.setup_kernel_weights not in t5.SETUP_WEIGHTS:
       raise ValueError(f"ModelSpec.setup_kernel_weights must be one of {t5.SETUP_WEIGHTS}, "
