@@ -481,7 +481,13 @@ def test_ablate_tiny(out, monkeypatch):
   assert [(r["added_c"], r["gamma"]) for r in rows] == [(None, 7), (0.5, 7), (1.0, 7)]
   assert len(_rows_of(doc["readme_markdown"])) == 3  # one summary row per draft variant
   assert len(_rows(paths["md"])) == 3
-  assert len({r["alpha"] for r in rows}) == 1  # same logits, same keys: the same decisions
+  # The delay adds an exact 0 to the draft's logits and the keys are the same: the same
+  # decisions in every row. alpha (the mean of sum_x min(p, q)) is computed by each
+  # variant's own compiled program, whose fusions may round q differently in the last bit
+  # (an AVX-512 AMD EPYC of family 25, model 17: 0.48679790 against 0.48679791).
+  for key in ("alpha_observed", "tokens_per_call", "target_calls", "tokens"):
+    assert len({r[key] for r in rows}) == 1, key
+  np.testing.assert_allclose([r["alpha"] for r in rows], rows[0]["alpha"], rtol=1e-6)
   assert released == [True] * 3 or experiment.memory_map_use() is None
   for r in rows:
     np.testing.assert_allclose(r["thm38"], theory.walltime_improvement(
