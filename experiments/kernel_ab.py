@@ -3,6 +3,8 @@ r"""The CPU kernel of this checkout against the kernel of another revision, on t
   python -m experiments.kernel_ab --base 4083bfb                 # big EnDe demo target
   python -m experiments.kernel_ab --base HEAD~1 --rows 1,3 --placements cache --name quick
   python -m experiments.kernel_ab --base HEAD --rows 1,5 --placements decode --repeats 20
+  python -m experiments.kernel_ab --base HEAD --rows 1,6 --placements decode \
+      --target demo:cnndm_target_big --input_length 300 --kernel_weights auto
 
 Builds `spec_decode/kernels/cpu_matmul.cc` as it is in this checkout and as it was at git
 revision --base (or from the file --base_source), both with the flags the project uses,
@@ -16,7 +18,9 @@ format, row count and placement of the weights:
 Each build takes its fastest variant per shape (what the tuner would choose), one thread,
 the least time over --repeats rounds; the two builds take turns within each round (the
 order reversed every other round), so load from elsewhere falls on both alike.
-- decode: the target's whole decode step of `rows` tokens at batch 1 (`timing.step_time`'s
+- decode: the target's whole decode step of `rows` tokens per row at batch --decode_batch
+  (default 1), --input_length encoder positions per row (default 32: the cross-attention
+  an EnDe sentence reads; ~300 for a CNN/DM article) (`timing.step_time`'s
   marginal cost inside a jitted loop: the products on the kernel's threads as decoding
   runs them, its attention, XLA's own fusions), one compiled loop per build in this
   process (the base build's handlers registered under target names of their own), the
@@ -99,6 +103,20 @@ def register_base(path: Path) -> None:
   cpu_matmul.register_handlers(ctypes.CDLL(str(path)), BASE_PREFIX)
 
 
+def check_targets(hlo: str, *, base: bool) -> None:
+  """Raises unless the compiled program `hlo` calls the kernel, and only the base build's
+  handlers (base) or only this checkout's: an A/B whose two loops call one build measures
+  nothing."""
+  import re
+  targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+  ours = {t for t in targets if "spec_decode_" in t}
+  based = {t for t in ours if t.startswith(BASE_PREFIX)}
+  if not ours or (based != ours if base else based):
+    raise RuntimeError(
+        f"the {'base' if base else 'this checkout'}'s decode loop calls kernel targets "
+        f"{sorted(ours) or 'none'}: not only the {'base' if base else 'this'} build's")
+
+
 def base_targets():
   """Within: programs traced call the base build's handlers (`register_base`)."""
   from spec_decode.kernels import cpu_matmul
@@ -106,8 +124,9 @@ def base_targets():
 
 
 def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
-                input_length: int = 32, position: int = 24) -> dict[str, Any]:
-  """Seconds per decode step of `tokens` tokens (batch 1) with each build's loop, compiled
+                input_length: int = 32, position: int = 24, batch: int = 1) -> dict[str, Any]:
+  """Seconds per decode step of `tokens` tokens per row (`batch` rows, `input_length`
+  encoder positions each) with each build's loop, compiled
   in turn (the base inside `base_targets`) and timed taking turns: {'base': median,
   'this': median, 'ratio': the median over rounds of this / base}."""
   import jax
@@ -116,17 +135,21 @@ def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
 
   from spec_decode.decoding import timing
   enc = jnp.asarray(np.random.RandomState(0).randint(
-      2, model.vocab_size, (1, input_length)).astype(np.int32))
+      2, model.vocab_size, (batch, input_length)).astype(np.int32))
   cache_length = position + tokens + 1
   loops = {}
   for name in ("base", "this"):
     timing._jitted_steps.cache_clear()  # a fresh jit per build: no trace shared between them
+    # compiled ahead of time inside the build's block: the model's jitted decode, traced
+    # there with the build's target names, is not reused by the other build's loops
     make = lambda k: timing.decode_loop(model, params, enc, num_tokens=tokens,
-                                        cache_length=cache_length, position=position, steps=k)
+                                        cache_length=cache_length, position=position, steps=k,
+                                        compiled=True)
     with base_targets() if name == "base" else contextlib.nullcontext():
       pair = timing.marginal_pair(make, steps)
-      for f in pair:  # traced and compiled here, with this build's target names
-        jax.block_until_ready(f())
+    for f in pair:
+      check_targets(f.compiled_text(), base=name == "base")
+      jax.block_until_ready(f())
     loops[name] = pair
   timing._jitted_steps.cache_clear()
   # The builds take turns, the order reversed every other round (with a fixed order, A/A
@@ -179,11 +202,13 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     for placement in args.placements:
       for m in args.rows:
         if placement == "decode":
-          t = time_decode(model, models.target_params, m, repeats=args.repeats)
-          row = {"weights": weights, "placement": placement, "rows": m,
+          t = time_decode(model, models.target_params, m, repeats=args.repeats,
+                          input_length=args.input_length, batch=args.decode_batch)
+          row = {"weights": weights, "placement": placement,
+                 "rows": m * args.decode_batch,
                  "base_ms": t["base"] * 1e3, "this_ms": t["this"] * 1e3, "ratio": t["ratio"]}
           rows.append(row)
-          print(f"  {weights} decode step, {m} tokens: base {row['base_ms']:.3f} ms, this "
+          print(f"  {weights} decode step, batch {args.decode_batch} x {m} tokens: base {row['base_ms']:.3f} ms, this "
                 f"{row['this_ms']:.3f} ms, this / base (median of rounds) {row['ratio']:.3f}",
                 flush=True)
           continue
@@ -211,12 +236,18 @@ def parse_args(argv: Sequence[str]):
   kernel_variants.add_shape_args(p, "1,2,3,4,5,6,7,8")
   p.add_argument("--placements", default="stream,cache",
                  help=f"comma list of {PLACEMENTS}")
+  p.add_argument("--decode_batch", type=int, default=1,
+                 help="decode placement: rows of the batch (each decodes --rows tokens)")
+  p.add_argument("--input_length", type=int, default=32,
+                 help="decode placement: encoder positions per row (cross-attention reads)")
   args = p.parse_args(list(argv))
   kernel_variants.check_shape_args(p, args)
   args.placements = [x for x in args.placements.split(",") if x]
   bad = [x for x in args.placements if x not in PLACEMENTS]
   if bad or not args.placements:
     p.error(f"--placements: each must be one of {PLACEMENTS}, got {bad or 'none'}")
+  if args.decode_batch < 1 or args.input_length < 1:
+    p.error("--decode_batch and --input_length must be >= 1")
   if args.base_source and not Path(args.base_source).is_file():
     p.error(f"--base_source {args.base_source}: no such file")
   return args
@@ -241,7 +272,8 @@ def run(args, meta: dict) -> Output:
         "cache: one matrix again and again (as a small draft's weights stay in the caches).")
   if "decode" in args.placements:
     notes.append(
-        "decode: the target's whole decode step of `rows` tokens at batch 1 (marginal cost "
+        f"decode: the target's whole decode step at batch {args.decode_batch}, "
+        f"{args.input_length} encoder positions per row, `rows` = batch x tokens (marginal cost "
         "in a jitted loop; the products on two threads as decoding runs them, attention, "
         "XLA's fusions), both builds with the variants this checkout's tuner chose; each "
         f"build's median over {args.repeats} rounds, the order reversed every other round; "

@@ -1114,6 +1114,22 @@ def test_kernel_ab_decode_runs_the_base_build_in_the_same_process(tmp_path):
   assert kernel_ab.BASE_PREFIX not in this_text and "spec_decode_small_m_matmul" in this_text
   np.testing.assert_array_equal(np.asarray(base_y), np.asarray(this(x)))
   assert cpu_matmul._target_prefix == ""  # restored
+  # Through the model's jitted decode, as the decode placement times it: a loop compiled
+  # inside the block keeps the base's handlers, and one made after it does not reuse the
+  # decode traced there (before the fix it did, and the A/B timed the base build twice).
+  from spec_decode.decoding import timing
+  models = harness.load_models("demo:ende_target")
+  enc = jnp.asarray(np.random.RandomState(0).randint(2, 100, (1, 8)).astype(np.int32))
+  make = lambda: timing.decode_loop(models.target, models.target_params, enc, num_tokens=2,
+                                    cache_length=10, steps=2, compiled=True)
+  with kernel_ab.base_targets():
+    base_loop = make()
+  this_loop = make()
+  kernel_ab.check_targets(base_loop.compiled_text(), base=True)
+  kernel_ab.check_targets(this_loop.compiled_text(), base=False)
+  with pytest.raises(RuntimeError, match="not only the base build's"):
+    kernel_ab.check_targets(this_loop.compiled_text(), base=True)
+  np.testing.assert_array_equal(np.asarray(base_loop()), np.asarray(this_loop()))
   paths = kernel_ab.main(["--base_source", str(cpu_matmul._SOURCE), "--target",
                           "demo:ende_target", "--rows", "2", "--kernel_weights", "float32",
                           "--placements", "decode", "--repeats", "2", "--name", "tiny",

@@ -126,7 +126,7 @@ class Workload:
 def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length: int,
                 position: int | None = None, steps: int = 1, mesh=None,
                 rules=None, compiler_options=None,
-                decode_layout: bool = True) -> Callable[[], jax.Array]:
+                decode_layout: bool = True, compiled: bool = False) -> Callable[[], jax.Array]:
   """A zero-argument function running `steps` decodes of num_tokens tokens per row in one jit.
 
   The cache holds `cache_length` slots with every row at `position` (default
@@ -147,6 +147,11 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   what it reads in the decoding loops). decode_layout (default): unsharded params in the
   layout `decoding.run` gives them (`models.base.decoding_params`, e.g. packed CPU
   kernels); False times them as given (XLA's dots).
+  compiled: compile the loop now, ahead of time, and call that executable: it keeps the
+  kernel handlers and trace-time switches in force now (`cpu_matmul.handlers_under`,
+  `t5.switched`) whatever is traced later. (A loop jitted as usual traces at its first call,
+  and the model's jitted methods inside it reuse traces made earlier under other
+  handlers.) Each such loop compiles its own executable.
   """
   if not 1 <= num_tokens <= cache_length:
     raise ValueError(f"need 1 <= num_tokens <= cache_length, got {num_tokens}, {cache_length}")
@@ -178,6 +183,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   run = _jitted_steps(model, mesh, rules, options)
   state = {"cache": cache, "params": params, "tokens": tokens}
   trips = jnp.int32(steps)
+  if compiled:
+    run = run.lower(params, cache, tokens, trips).compile()
 
   def call():
     logits, state["cache"] = run(params, state["cache"], tokens, trips)
@@ -186,7 +193,8 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   call.state = state
   call.steps = steps
   # The optimized HLO of the loop as compiled (for counting what a step launches).
-  call.compiled_text = lambda: run.lower(params, state["cache"], tokens, trips).compile().as_text()
+  call.compiled_text = (run.as_text if compiled else
+                        lambda: run.lower(params, state["cache"], tokens, trips).compile().as_text())
   return call
 
 

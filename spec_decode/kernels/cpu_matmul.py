@@ -109,14 +109,20 @@ def register_handlers(lib, prefix: str = "") -> None:
 @contextlib.contextmanager
 def handlers_under(prefix: str):
   """Within: programs traced call the handlers `register_handlers` registered under
-  `prefix` (another build of this kernel, `experiments.kernel_ab`). Programs traced
-  earlier keep the handlers they were traced with."""
+  `prefix` (another build of this kernel, `experiments.kernel_ab`). jax's caches are
+  cleared on entry and on exit (as `t5.switched` does): a jitted function (the model's
+  jitted decode, inside a timing loop) keeps the trace of its first call, and would
+  otherwise call the handlers that were in force then. Programs compiled ahead of time
+  inside the block (`jax.jit(f).lower(...).compile()`, `timing.decode_loop(compiled=True)`)
+  keep its handlers; jitted functions called after it retrace."""
   global _target_prefix
   saved, _target_prefix = _target_prefix, prefix
+  jax.clear_caches()
   try:
     yield
   finally:
     _target_prefix = saved
+    jax.clear_caches()
 
 
 def _ffi_call(target: str, out):
