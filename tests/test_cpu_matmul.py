@@ -858,6 +858,34 @@ def test_attention_kernel_rows_do_not_depend_on_the_call():
     cpu_matmul.attention(q, v, v, bias, mask)
 
 
+@needs_kernel
+def test_attention_kernel_long_caches_read_by_rows():
+  """Past 16 KB of K per (row, head) (~64 slots of 64 features) and more slots than one
+  register pass holds, the logits read K row by row, summed in memory: the same bits as
+  the register passes. A query alone (few slots: register passes) equals itself in a tile
+  whose widest query reads by rows; a cross-attention of 300 slots (a CNN/DM article)
+  within float32 rounding of float64's, each query the same bits alone as in the call."""
+  rng = np.random.default_rng(3)
+  att = jax.jit(cpu_matmul.attention)
+  B, T, N, H = 2, 6, 3, 64
+  for L, offsets in ((80, (58, 61)), (300, (294, 0))):
+    q = (rng.standard_normal((B, T, N, H)) * 0.3).astype(np.float32)
+    k = rng.standard_normal((B, N, H, L)).astype(np.float32)
+    v = rng.standard_normal((B, N, L, H)).astype(np.float32)
+    bias = rng.standard_normal((1, N, T, L)).astype(np.float32)
+    if L == 300:  # row 1: every query sees all 300 slots (cross-attention)
+      mask = np.ones((B, T, L), bool)
+      mask[0] = np.arange(L)[None, :] <= offsets[0] + np.arange(T)[:, None]
+    else:  # causal: the tile's widest query reads 67 slots, the narrowest 59
+      mask = np.arange(L)[None, None, :] <= (np.asarray(offsets)[:, None, None]
+                                             + np.arange(T)[None, :, None])
+    full = np.asarray(att(q, k, v, bias, mask))
+    np.testing.assert_allclose(full, _attention_f64(q, k, v, bias, mask), rtol=1e-5, atol=1e-5)
+    for t in range(T):
+      one = np.asarray(att(q[:, t:t + 1], k, v, bias[:, :, t:t + 1], mask[:, t:t + 1]))
+      np.testing.assert_array_equal(one[:, 0], full[:, t], err_msg=f"L {L}, query {t}")
+
+
 _NARROW_BUILD_CHECK = """
 import pathlib, sys
 import numpy as np, jax
@@ -866,12 +894,13 @@ from spec_decode.kernels import cpu_matmul
 cpu_matmul._build = lambda: pathlib.Path({library!r})
 assert cpu_matmul.widths() == (8,), cpu_matmul.widths()
 from test_cpu_matmul import _attention_operands
-q, k, v, bias, mask = _attention_operands(H=64, L=40)
 att = jax.jit(cpu_matmul.attention)
-full = np.asarray(att(q, k, v, bias, mask))
-for t in range(q.shape[1]):
-  one = np.asarray(att(q[:, t:t + 1], k, v, bias[:, :, t:t + 1], mask[:, t:t + 1]))[:, 0]
-  np.testing.assert_array_equal(one, full[:, t], err_msg=f"query {{t}}")
+for L in (40, 300):  # 300: most rows' K read by rows
+  q, k, v, bias, mask = _attention_operands(H=64, L=L)
+  full = np.asarray(att(q, k, v, bias, mask))
+  for t in range(q.shape[1]):
+    one = np.asarray(att(q[:, t:t + 1], k, v, bias[:, :, t:t + 1], mask[:, t:t + 1]))[:, 0]
+    np.testing.assert_array_equal(one, full[:, t], err_msg=f"L {{L}}, query {{t}}")
 print("ok")
 """
 

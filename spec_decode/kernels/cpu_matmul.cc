@@ -869,6 +869,11 @@ inline void SoftmaxTile(const Attention& a, int64_t b, int64_t n, int64_t t0, fl
   }
 }
 
+#ifndef SPEC_DECODE_ATT_ROWS_BYTES
+#define SPEC_DECODE_ATT_ROWS_BYTES (16 << 10)
+#endif
+constexpr int64_t kAttRowsBytes = SPEC_DECODE_ATT_ROWS_BYTES;  // K read by rows past this
+
 // The queries t0 .. t0 + count - 1 (count <= kAttTile) of batch row b and head n; s: scratch
 // of kAttTile x `stride` floats (L rounded up to lanes). Each K and V vector is loaded once
 // for the tile, and every query's sums run over the same terms in the same order as alone.
@@ -876,8 +881,9 @@ inline void SoftmaxTile(const Attention& a, int64_t b, int64_t n, int64_t t0, fl
 template <int64_t count>
 void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, int64_t stride,
                 const float* k, const float* v) {
-  // Slot chunks (logits) and feature chunks (values) a pass takes at once: count x G
-  // independent accumulator chains, so that few queries still cover the FMA latency.
+  // Slot chunks a pass of the logits takes at once (and at least as many feature chunks for
+  // the values, GV below): count x G independent accumulator chains, so that few queries
+  // still cover the FMA latency.
   constexpr int64_t G = count >= 8 ? 1 : count >= 4 ? 2 : 4;
   const int64_t H = a.H, L = a.L;
   const int64_t* extent = a.extent + b * a.T + t0;
@@ -888,16 +894,17 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
   const float* q[count];
   for (int64_t i = 0; i < count; ++i) q[i] = a.q + (b * a.T + t0 + i) * a.q_row + n * H;
   // logits: over h in order, lanes over slots (a slot past a query's extent is overwritten);
-  // GG chunks of slots from chunk c0
-  auto logits = [&](auto gg, int64_t c0) {
+  // GG chunks of slots from chunk c0; INSIDE: they lie inside the cache row (else its partial
+  // last chunk is read lane by lane; a compile-time flag, so that the K vectors stay in
+  // registers)
+  auto logits = [&](auto gg, auto inside, int64_t c0) {
     constexpr int64_t GG = decltype(gg)::value;
-    const bool inside = (c0 + GG) * kAttLanes <= L;  // else the cache row's partial last chunk
     AttV acc[count][GG] = {};
     for (int64_t h = 0; h < H; ++h) {
       AttV kv[GG];
       for (int64_t g = 0; g < GG; ++g) {
         const int64_t l0 = (c0 + g) * kAttLanes;
-        if (inside) {
+        if constexpr (decltype(inside)::value) {
           kv[g] = Bits<AttV>(k + h * L + l0);
         } else {
           kv[g] = AttV{};
@@ -913,40 +920,98 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
       for (int64_t g = 0; g < GG; ++g)
         std::memcpy(s + i * stride + (c0 + g) * kAttLanes, &acc[i][g], sizeof(AttV));
   };
-  int64_t c0 = 0;
-  for (; c0 + G <= chunks; c0 += G) logits(std::integral_constant<int64_t, G>{}, c0);
-  for (; c0 < chunks; ++c0) logits(std::integral_constant<int64_t, 1>{}, c0);
+  auto pass = [&](auto gg, int64_t c0) {
+    if ((c0 + decltype(gg)::value) * kAttLanes <= L) {
+      logits(gg, std::true_type{}, c0);
+    } else {
+      logits(gg, std::false_type{}, c0);
+    }
+  };
+  // logits over K's rows in order, the sums in s: each (query, chunk) from zero over h in
+  // order, one Fma per term, as `logits` sums them in registers. For K too long for one
+  // pass of `logits`, which reads G chunks of every row, then the next G: a few lines per
+  // row at the cache's stride, which the hardware prefetchers did not follow (half of the
+  // tiles' time in a one-token step of the big CNN/DM target, ~300 positions of cross-
+  // attention, waited on those loads: `perf annotate`, AMD EPYC family 25 model 17). Read
+  // by rows, with GV's whole rows of V, its 6-token verify step took 0.75-0.82x the time
+  // (`experiments.kernel_ab --placements decode --input_length 300`, and loops of 100 steps
+  // in turns), its one-token step 0.92-1.0x; the EnDe steps (32 positions) did not move.
+  auto logits_by_rows = [&] {
+    const int64_t whole = std::min(chunks, L / kAttLanes);  // chunks inside the cache row
+    for (int64_t i = 0; i < count; ++i)
+      std::fill(s + i * stride, s + i * stride + chunks * kAttLanes, 0.0f);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* kr = k + h * L;
+      AttV qv[count];
+      for (int64_t i = 0; i < count; ++i) qv[i] = q[i][h] - AttV{};
+      for (int64_t c = 0; c < chunks; ++c) {
+        AttV kv;
+        if (c < whole) {
+          kv = Bits<AttV>(kr + c * kAttLanes);
+        } else {
+          kv = AttV{};
+          for (int64_t j = 0; c * kAttLanes + j < L && j < kAttLanes; ++j) kv[j] = kr[c * kAttLanes + j];
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          float* si = s + i * stride + c * kAttLanes;
+          const AttV sum = Fma(qv[i], kv, Bits<AttV>(si));
+          std::memcpy(si, &sum, sizeof(sum));
+        }
+      }
+    }
+  };
+  if (chunks > G && H * E * int64_t{sizeof(float)} > kAttRowsBytes) {
+    logits_by_rows();
+  } else {
+    int64_t c0 = 0;
+    for (; c0 + G <= chunks; c0 += G) pass(std::integral_constant<int64_t, G>{}, c0);
+    for (; c0 < chunks; ++c0) pass(std::integral_constant<int64_t, 1>{}, c0);
+  }
   // masked softmax per query over its extent (the values pass reads no weight past it);
   // every logit -1e10 where it sees no slot at all
   SoftmaxTile<count>(a, b, n, t0, s, stride, extent);
   // weights x values: per feature chunk, over slots in order (each query's own slots only:
-  // a weight that is 0 inside its extent adds an exact 0)
-  for (int64_t h0 = 0; h0 < H; h0 += G * kAttLanes) {
-    int64_t width[G];
-    for (int64_t g = 0; g < G; ++g)
+  // a weight that is 0 inside its extent adds an exact 0), GV chunks of features per pass
+  // over V's rows: 4 (a row of 64 features in one pass) where count x 4 accumulators, the 4
+  // V vectors and a weight fit the registers. (With G's 2 chunks, 4 to 6 queries read each
+  // row of V in two halves, one pass each, and waited on V's loads: a third of the tiles'
+  // time in the big CNN/DM target's 6-token verify, `perf annotate`, AMD EPYC family 25
+  // model 17.)
+  constexpr int64_t GV = count * 4 + 4 + 1 <= Registers<AttV>() ? std::max<int64_t>(G, 4) : G;
+  for (int64_t h0 = 0; h0 < H; h0 += GV * kAttLanes) {
+    int64_t width[GV];
+    for (int64_t g = 0; g < GV; ++g)
       width[g] = std::clamp<int64_t>(H - h0 - g * kAttLanes, 0, kAttLanes);
-    AttV acc[count][G] = {};
-    auto slot = [&](int64_t l, bool every) {
-      AttV rv[G];
-      for (int64_t g = 0; g < G; ++g) {
-        rv[g] = AttV{};
-        if (width[g] == kAttLanes) {
+    AttV acc[count][GV] = {};
+    // FULL: every feature chunk of the pass is whole (a compile-time flag, as `logits`' INSIDE)
+    auto slot = [&](int64_t l, bool every, auto full) {
+      AttV rv[GV];
+      for (int64_t g = 0; g < GV; ++g) {
+        if constexpr (decltype(full)::value) {
           rv[g] = Bits<AttV>(v + l * v_row + h0 + g * kAttLanes);
         } else {
+          rv[g] = AttV{};
           for (int64_t j = 0; j < width[g]; ++j) rv[g][j] = v[l * v_row + h0 + g * kAttLanes + j];
         }
       }
       for (int64_t i = 0; i < count; ++i) {
         if (!every && l >= extent[i]) continue;
         const AttV w = s[i * stride + l] - AttV{};
-        for (int64_t g = 0; g < G; ++g) acc[i][g] = Fma(w, rv[g], acc[i][g]);
+        for (int64_t g = 0; g < GV; ++g) acc[i][g] = Fma(w, rv[g], acc[i][g]);
       }
     };
-    for (int64_t l = 0; l < E_all; ++l) slot(l, true);
-    for (int64_t l = E_all; l < E; ++l) slot(l, false);
+    auto slots = [&](auto full) {
+      for (int64_t l = 0; l < E_all; ++l) slot(l, true, full);
+      for (int64_t l = E_all; l < E; ++l) slot(l, false, full);
+    };
+    if (width[GV - 1] == kAttLanes) {
+      slots(std::true_type{});
+    } else {
+      slots(std::false_type{});
+    }
     for (int64_t i = 0; i < count; ++i) {
       float* o = a.out + ((b * a.T + t0 + i) * a.N + n) * H + h0;
-      for (int64_t g = 0; g < G && width[g] > 0; ++g) {
+      for (int64_t g = 0; g < GV && width[g] > 0; ++g) {
         float tmp[kAttLanes];
         std::memcpy(tmp, &acc[i][g], sizeof(tmp));
         std::memcpy(o + g * kAttLanes, tmp, width[g] * sizeof(float));
