@@ -112,9 +112,9 @@ def check_targets(hlo: str, *, base: bool) -> None:
   ours = {t for t in targets if "spec_decode_" in t}
   based = {t for t in ours if t.startswith(BASE_PREFIX)}
   if not ours or (based != ours if base else based):
-    raise RuntimeError(
-        f"the {'base' if base else 'this checkout'}'s decode loop calls kernel targets "
-        f"{sorted(ours) or 'none'}: not only the {'base' if base else 'this'} build's")
+    which = "the base build's" if base else "this checkout's"
+    raise RuntimeError(f"{which} decode loop calls kernel targets {sorted(ours) or 'none'}: "
+                       f"not only {which}")
 
 
 def base_targets():
@@ -126,9 +126,9 @@ def base_targets():
 def time_decode(model, params, tokens: int, *, repeats: int, steps: int = 16,
                 input_length: int = 32, position: int = 24, batch: int = 1) -> dict[str, Any]:
   """Seconds per decode step of `tokens` tokens per row (`batch` rows, `input_length`
-  encoder positions each) with each build's loop, compiled
-  in turn (the base inside `base_targets`) and timed taking turns: {'base': median,
-  'this': median, 'ratio': the median over rounds of this / base}."""
+  encoder positions each) with each build's loop, compiled in turn (the base inside
+  `base_targets`) and timed taking turns: {'base': median, 'this': median, 'ratio': the
+  median over rounds of this / base}."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -208,9 +208,9 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                  "rows": m * args.decode_batch,
                  "base_ms": t["base"] * 1e3, "this_ms": t["this"] * 1e3, "ratio": t["ratio"]}
           rows.append(row)
-          print(f"  {weights} decode step, batch {args.decode_batch} x {m} tokens: base {row['base_ms']:.3f} ms, this "
-                f"{row['this_ms']:.3f} ms, this / base (median of rounds) {row['ratio']:.3f}",
-                flush=True)
+          print(f"  {weights} decode step, batch {args.decode_batch} x {m} tokens: base "
+                f"{row['base_ms']:.3f} ms, this {row['this_ms']:.3f} ms, this / base (median "
+                f"of rounds) {row['ratio']:.3f}", flush=True)
           continue
         total = {"base": 0.0, "this": 0.0}
         for (K, N, dtype, pairs), count in shapes.items():
@@ -273,8 +273,8 @@ def run(args, meta: dict) -> Output:
   if "decode" in args.placements:
     notes.append(
         f"decode: the target's whole decode step at batch {args.decode_batch}, "
-        f"{args.input_length} encoder positions per row, `rows` = batch x tokens (marginal cost "
-        "in a jitted loop; the products on two threads as decoding runs them, attention, "
+        f"{args.input_length} encoder positions per row, `rows` = batch x tokens (marginal "
+        "cost in a jitted loop; the products on two threads as decoding runs them, attention, "
         "XLA's fusions), both builds with the variants this checkout's tuner chose; each "
         f"build's median over {args.repeats} rounds, the order reversed every other round; "
         "'this / base' is the median of the rounds' ratios.")

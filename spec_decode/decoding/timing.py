@@ -193,8 +193,9 @@ def decode_loop(model, params, encoder_tokens, *, num_tokens: int, cache_length:
   call.state = state
   call.steps = steps
   # The optimized HLO of the loop as compiled (for counting what a step launches).
-  call.compiled_text = (run.as_text if compiled else
-                        lambda: run.lower(params, state["cache"], tokens, trips).compile().as_text())
+  call.compiled_text = (
+      run.as_text if compiled
+      else lambda: run.lower(params, state["cache"], tokens, trips).compile().as_text())
   return call
 
 

@@ -961,7 +961,8 @@ void AttendTile(const Attention& a, int64_t b, int64_t n, int64_t t0, float* s, 
           kv = Bits<AttV>(kr + c * kAttLanes);
         } else {
           kv = AttV{};
-          for (int64_t j = 0; c * kAttLanes + j < L && j < kAttLanes; ++j) kv[j] = kr[c * kAttLanes + j];
+          for (int64_t j = 0; c * kAttLanes + j < L && j < kAttLanes; ++j)
+            kv[j] = kr[c * kAttLanes + j];
         }
         for (int64_t i = 0; i < count; ++i) {
           float* si = s + i * stride + c * kAttLanes;
