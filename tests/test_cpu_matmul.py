@@ -675,6 +675,26 @@ def test_fused_rms_norm(weights):
     cpu_matmul.matmul(x, p, norm=s[:10])
 
 
+@needs_kernel
+@pytest.mark.parametrize("weights", ["float32", "bfloat16_dot"])
+def test_fused_norm_and_pairs_past_the_kept_scratch(weights):
+  """The normed rows (and bfloat16 pairs) of a call larger than the per-thread scratch that is
+  kept between calls (8 MB) go to a buffer of the call's own: each row's bits equal those of a
+  small call before and after it."""
+  if weights == "bfloat16_dot" and not cpu_matmul.has_bfloat16_dot():
+    pytest.skip("no AVX512-BF16 on this CPU")
+  rng = np.random.default_rng(5)
+  K, M = 512, 8320  # M x K floats: 17 MB, M x K / 2 pairs: 8.5 MB
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  s = (1 + 0.3 * rng.standard_normal(K)).astype(np.float32)
+  p = cpu_matmul.pack(rng.standard_normal((K, 16)).astype(np.float32), weights)
+  fused = jax.jit(lambda a, b, c: cpu_matmul.matmul(a, b, norm=c, eps=1e-6))
+  before = np.asarray(fused(x[-7:], p, s))
+  got = np.asarray(fused(x, p, s))
+  np.testing.assert_array_equal(got[-7:], before)
+  np.testing.assert_array_equal(np.asarray(fused(x[:7], p, s)), got[:7])
+
+
 def test_bandwidth_and_peak_probes_keep_their_highest_reading(monkeypatch):
   """A burst of load from elsewhere lowers one reading; the probes report the capability."""
   readings = {"gbps": iter([99.0, 12.8, 26.5, 25.1]), "gflops": iter([150.0, 190.0, 60.0])}

@@ -536,24 +536,38 @@ inline uint16_t RoundToBf16(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-// The calling thread's scratch of at least n T's, kept from call to call (a call's helpers
-// read it while the call runs). A vector made per call was zeroed before being written: in
-// the big CNN/DM target's set-up (320 rows) those memsets of 0.3-0.6 MB took 4% of both
-// threads' time (`perf record`, AMD EPYC family 25 model 17).
-template <typename T>
-T* Scratch(int64_t n) {
-  thread_local std::vector<T> buffer;
-  if (buffer.size() < static_cast<size_t>(n)) buffer.resize(n);
-  return buffer.data();
-}
+// At least n T's for one call, left uninitialized. Up to kScratchKeep bytes they are the calling
+// thread's buffer, kept from call to call: a vector made per call was zeroed before being
+// written, and in the big CNN/DM target's set-up (320 rows) those memsets of 0.3-0.6 MB took 4%
+// of both threads' time (`perf record`, AMD EPYC family 25 model 17). Larger requests (a big
+// batch's encoder) get a buffer of their own, freed with the object, so no thread holds
+// hundreds of MB after one such call. At most one live object per type and thread.
+constexpr int64_t kScratchKeep = int64_t{8} << 20;
 
-// x [M, 2 K2] float32 -> [M, K2] words of two bfloat16 (k = 2 kk in the low half), in the
-// thread's scratch.
-const uint32_t* PairRows(const float* x, int64_t M, int64_t K2) {
-  uint32_t* out = Scratch<uint32_t>(M * K2);
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) {
+    thread_local std::vector<T> kept;
+    if (n * int64_t{sizeof(T)} > kScratchKeep) {
+      owned_.reset(new T[n]);  // default-initialized: no zeroing
+      data_ = owned_.get();
+      return;
+    }
+    if (kept.size() < static_cast<size_t>(n)) kept.resize(n);
+    data_ = kept.data();
+  }
+  T* get() const { return data_; }
+
+ private:
+  std::unique_ptr<T[]> owned_;
+  T* data_ = nullptr;
+};
+
+// x [M, 2 K2] float32 -> out [M, K2] words of two bfloat16 (k = 2 kk in the low half).
+void PairRows(const float* x, int64_t M, int64_t K2, uint32_t* out) {
   for (int64_t i = 0; i < M * K2; ++i)
     out[i] = uint32_t{RoundToBf16(x[2 * i])} | uint32_t{RoundToBf16(x[2 * i + 1])} << 16;
-  return out;
 }
 
 // CPUs this process may run on (its affinity mask; all online CPUs where that is unknown).
@@ -674,7 +688,9 @@ bool RunPairs(const float* x, const void* panels, float* y, int64_t M, int64_t K
               Variant variant, int64_t num_panels, int64_t helpers, ffi::ThreadPool* pool) {
 #ifdef __AVX512BF16__
   Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
-  problem.xpairs = PairRows(x, M, K / 2);
+  Scratch<uint32_t> pairs(M * (K / 2));
+  PairRows(x, M, K / 2, pairs.get());
+  problem.xpairs = pairs.get();
   Run(problem, variant, num_panels, helpers, pool);
   return true;
 #else
@@ -701,15 +717,13 @@ double SumSquares(const float* row, int64_t K) {
 
 // x's rows RMS-normalized and scaled, as T5's norm before a projection: row * rsqrt(mean(row^2)
 // + eps) * scale (the sum of squares in double, `SumSquares`), so a norm and the product
-// after it are one call. Each row's result depends on that row only. In the thread's scratch.
-const float* NormRows(const float* x, const float* scale, float eps, int64_t M, int64_t K) {
-  float* out = Scratch<float>(M * K);
+// after it are one call. Each row's result depends on that row only. Into out [M, K].
+void NormRows(const float* x, const float* scale, float eps, int64_t M, int64_t K, float* out) {
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     const float r = 1.0f / std::sqrt(float(SumSquares(row, K) / K) + eps);
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = row[k] * r * scale[k];
   }
-  return out;
 }
 
 // ---- Decode-step attention ----
@@ -1519,7 +1533,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::Any
   const auto type = panels.element_type();
   const void* w = panels.untyped_data();
   const float* xin = x.typed_data();
-  if (norm != nullptr) xin = NormRows(xin, norm, eps, M, K);
+  Scratch<float> normed(norm != nullptr ? M * K : 0);
+  if (norm != nullptr) {
+    NormRows(xin, norm, eps, M, K, normed.get());
+    xin = normed.get();
+  }
   if (pairs) {
     if (type != ffi::DataType::BF16 || scales != nullptr || !kHaveDot)
       return ffi::Error::InvalidArgument(
