@@ -23,7 +23,9 @@ marginal cost of one more iteration of a jitted loop, batch 1):
              (`measure.setup_seconds`, median of --repeats calls), on the task's inputs;
 and counts the thunks of the draft's single-token step (`step_variants.loop_launches`: the
 instructions of its compiled step loop's body that run as calls: fusions, dots, copies,
-custom calls).
+custom calls). --gammas 1,3,5,8 measures each at several proposal lengths: whether what the
+loop adds grows with the drafted tokens (a cost per token, as the cost model's c charges it)
+or is paid once per proposal.
 
 Layouts (`T5.packed_min_elements`):
   kernel     the library's default: every weight matrix of `cpu_matmul.MIN_PACKED_ELEMENTS`
@@ -64,15 +66,11 @@ def measure(args) -> list[dict[str, Any]]:
   inputs = harness.task_inputs(args.task, split="test", num_examples=args.setup_examples,
                                input_length=args.input_length, decode_len=args.cache_length)
   enc = inputs[:1]
-  G = args.gamma
   base = dict(target=models.target, target_params=models.target_params, encoder_tokens=enc,
               cache_length=args.cache_length, position=args.position)
   workloads, loops = {}, {}
   first, first_params = models.draft(args.drafts[0])
   fixed = timing.Workload(**base, draft=first, draft_params=first_params)
-  fixed_loop = lambda k: timing.proposal_loop(FixedProposal(), fixed, gamma=G, steps=k,
-                                              verify_tokens=G + 1)
-  drafter = decoding.Speculative(gamma=G).drafter
   for d in args.drafts:
     model, params = models.draft(d)
     if not isinstance(model, t5.T5):
@@ -82,40 +80,51 @@ def measure(args) -> list[dict[str, Any]]:
       m = dataclasses.replace(model, packed_min_elements=LAYOUTS[layout])
       # A copy per layout: the packed tree is cached by the leaves' identity.
       w = timing.Workload(**base, draft=m, draft_params=jax.tree.map(jnp.array, params))
-      workloads[d, layout] = w
-      loops[f"alone:{d}:{layout}"] = timing.marginal_pair(
-          lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k), args.steps)
-      # The loop without a proposal right before the one with it (one compile for all):
-      # the machine's speed drifts within a round, so each difference is of neighbours.
-      loops[f"fixed:{d}:{layout}"] = timing.marginal_pair(fixed_loop, args.steps)
-      loops[f"loop:{d}:{layout}"] = timing.marginal_pair(
-          lambda k, w=w: timing.proposal_loop(drafter, w, gamma=G, steps=k,
-                                              verify_tokens=G + 1), args.steps)
+      for G in args.gammas:
+        drafter = decoding.Speculative(gamma=G).drafter
+        workloads[d, layout, G] = w
+        key = f"{d}:{layout}:{G}"
+        loops[f"alone:{key}"] = timing.marginal_pair(
+            lambda k, w=w, G=G, drafter=drafter: timing.proposal_loop(drafter, w, gamma=G,
+                                                                      steps=k), args.steps)
+        # The loop without a proposal right before the one with it (one compile per gamma
+        # for all drafts): the machine's speed drifts within a round, so each difference
+        # is of neighbours.
+        loops[f"fixed:{key}"] = timing.marginal_pair(
+            lambda k, G=G: timing.proposal_loop(FixedProposal(), fixed, gamma=G, steps=k,
+                                                verify_tokens=G + 1), args.steps)
+        loops[f"loop:{key}"] = timing.marginal_pair(
+            lambda k, w=w, G=G, drafter=drafter: timing.proposal_loop(
+                drafter, w, gamma=G, steps=k, verify_tokens=G + 1), args.steps)
   print(f"timing {len(loops)} loops in {args.repeats} interleaved rounds", flush=True)
   r = {k: np.asarray(v) for k, v in timing.interleaved(loops, repeats=args.repeats).items()}
   rows = []
-  for (d, layout), w in workloads.items():
-    step = w.decode_loop("draft", num_tokens=1, steps=2)
-    step()
+  thunks, setups = {}, {}
+  for (d, layout, G), w in workloads.items():
+    key = f"{d}:{layout}:{G}"
+    if (d, layout) not in thunks:
+      step = w.decode_loop("draft", num_tokens=1, steps=2)
+      step()
+      thunks[d, layout] = step_variants.loop_launches(step.compiled_text())["total"]
+      setups[d, layout] = float(np.mean([
+          costs.setup_seconds(w.draft, w.draft_params, inputs[i:i + 1],
+                              cache_length=args.cache_length, repeats=args.repeats)["median"]
+          for i in range(len(inputs))]))
     packed = [isinstance(x, cpu_matmul.PackedKernel) for x in jax.tree.leaves(
         w.draft.decode_params(w.draft_params),
         is_leaf=lambda x: isinstance(x, cpu_matmul.PackedKernel))]
-    with_it, without = r[f"loop:{d}:{layout}"], r[f"fixed:{d}:{layout}"]
+    with_it, without = r[f"loop:{key}"], r[f"fixed:{key}"]
     in_loop = with_it - without
-    setup = [costs.setup_seconds(w.draft, w.draft_params, inputs[i:i + 1],
-                                 cache_length=args.cache_length, repeats=args.repeats)["median"]
-             for i in range(len(inputs))]
     rows.append(dict(
-        draft=d, layout=layout, packed=int(sum(packed)),
-        thunks=step_variants.loop_launches(step.compiled_text())["total"],
-        alone_ms=1e3 * float(np.median(r[f"alone:{d}:{layout}"])),
+        draft=d, layout=layout, gamma=G, packed=int(sum(packed)), thunks=thunks[d, layout],
+        alone_ms=1e3 * float(np.median(r[f"alone:{key}"])),
         in_loop_ms=1e3 * float(np.median(in_loop)),
         in_loop_p25_ms=1e3 * float(np.percentile(in_loop, 25)),
         in_loop_p75_ms=1e3 * float(np.percentile(in_loop, 75)),
         in_loop_fastest_ms=1e3 * float(np.percentile(with_it, 10)
                                         - np.percentile(without, 10)),
         verify_loop_ms=1e3 * float(np.median(without)),
-        setup_ms=1e3 * float(np.mean(setup))))
+        setup_ms=1e3 * setups[d, layout]))
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
           flush=True)
   return rows
@@ -132,7 +141,8 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--input_length", type=int, default=32)
   p.add_argument("--cache_length", type=int, default=64)
   p.add_argument("--position", type=int, default=24, help="cache slots filled")
-  p.add_argument("--gamma", type=int, default=5)
+  p.add_argument("--gammas", default="5",
+                 help="comma-separated proposal lengths, each measured in the same rounds")
   p.add_argument("--steps", type=int, default=8, help="iterations of the shorter loop")
   p.add_argument("--repeats", type=int, default=31, help="interleaved rounds")
   p.add_argument("--setup_examples", type=int, default=5)
@@ -146,17 +156,24 @@ def parse_args(argv: Sequence[str]):
     p.error(f"--layouts must name some of {', '.join(LAYOUTS)}, got {unknown or 'none'}")
   if not args.drafts:
     p.error("--drafts must name at least one draft")
-  if min(args.gamma, args.steps, args.repeats, args.setup_examples, args.input_length) < 1:
-    p.error("--gamma, --steps, --repeats, --setup_examples and --input_length must be >= 1")
-  if not 0 <= args.position <= args.cache_length - args.gamma - 1:
-    p.error(f"--position must lie in [0, cache_length - gamma - 1], got {args.position}")
+  try:
+    args.gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
+  except ValueError:
+    p.error(f"--gammas must be a comma-separated list of ints, got {args.gammas!r}")
+  if not args.gammas or min(args.gammas) < 1:
+    p.error(f"--gammas must name proposal lengths >= 1, got {args.gammas or 'none'}")
+  if min(args.steps, args.repeats, args.setup_examples, args.input_length) < 1:
+    p.error("--steps, --repeats, --setup_examples and --input_length must be >= 1")
+  if not 0 <= args.position <= args.cache_length - max(args.gammas) - 1:
+    p.error(f"--position must lie in [0, cache_length - max(gammas) - 1], got "
+            f"{args.position}")
   return args
 
 
 def run(args, meta) -> harness.Output:
   rows = measure(args)
   ms = lambda v: f"{v:.3f} ms"
-  cols = [Column("draft", "draft"), Column("layout", "layout"),
+  cols = [Column("draft", "draft"), Column("layout", "layout"), Column("gamma", "gamma"),
           Column("packed", "packed matrices"), Column("thunks", "thunks per step"),
           Column("alone_ms", "proposal alone", ms),
           Column("in_loop_ms", "proposal in the loop", ms),
@@ -164,11 +181,12 @@ def run(args, meta) -> harness.Output:
           Column("in_loop_p75_ms", "75th pct", ms),
           Column("in_loop_fastest_ms", "in the loop, fastest rounds", ms),
           Column("setup_ms", "set-up per example", ms)]
-  notes = [f"Target {args.target}; batch 1, gamma {args.gamma}, cache of {args.cache_length} "
+  gammas = ", ".join(map(str, args.gammas))
+  notes = [f"Target {args.target}; batch 1, gamma {gammas}, cache of {args.cache_length} "
            f"slots filled to {args.position}; {args.repeats} interleaved rounds, each value the "
            f"marginal cost of one more iteration of a jitted loop ({args.steps} vs "
            f"{2 * args.steps} iterations).",
-           f"in the loop: (proposal + verify call on {args.gamma + 1} tokens) - (fixed tokens + "
+           "in the loop: (proposal of gamma tokens + verify call on gamma + 1) - (fixed tokens + "
            "the same verify call, timed right before it), per round; the latter's median "
            f"{fmt(min(r['verify_loop_ms'] for r in rows), 3)}-"
            f"{fmt(max(r['verify_loop_ms'] for r in rows), 3)} ms. Its 25th-75th percentiles "

@@ -730,16 +730,44 @@ def test_draft_layout_packs_the_small_draft_into_fewer_thunks(out):
     pytest.skip(cpu_matmul.unavailable_reason())
   paths = draft_layout.main(["--target", "demo:ende_target", "--drafts", "demo:ende_small",
                              "--repeats", "1", "--steps", "1", "--setup_examples", "1",
-                             "--results_dir", out["results"]])
-  rows = {r["layout"]: r for r in _json(paths["json"])["rows"]}
-  assert sorted(rows) == ["kernel", "xla_dots"]
+                             "--gammas", "3,1", "--results_dir", out["results"]])
+  got = _json(paths["json"])["rows"]
+  assert sorted((r["layout"], r["gamma"]) for r in got) == [
+      ("kernel", 1), ("kernel", 3), ("xla_dots", 1), ("xla_dots", 3)]
+  rows = {r["layout"]: r for r in got if r["gamma"] == 3}
   assert rows["xla_dots"]["packed"] == 0 < rows["kernel"]["packed"]
   assert rows["kernel"]["thunks"] < rows["xla_dots"]["thunks"]
-  for r in rows.values():
+  for r in got:
     assert r["alone_ms"] > 0 and r["setup_ms"] > 0 and r["verify_loop_ms"] > 0
-  for bad in (["--layouts", "fast"], ["--drafts", ""], ["--position", "60"]):
+  for bad in (["--layouts", "fast"], ["--drafts", ""], ["--position", "60"],
+              ["--gammas", "0"], ["--gammas", "two"], ["--gammas", "5,40"]):
     with pytest.raises(SystemExit):
       draft_layout.main(bad + ["--results_dir", out["results"]])
+
+
+@pytest.mark.slow
+def test_loop_split_times_the_decoders_own_bodies(out):
+  """The loop bodies the decoders run, on the 3.7M pair: a row per gamma with the three
+  speculative timings, the differences as spreads, and the autoregressive pair; bad
+  arguments stop with a usage error."""
+  from experiments import loop_split
+  paths = loop_split.main(["--target", "demo:ende_target", "--draft", "demo:ende_small",
+                           "--task", "synthetic_ende", "--input_length", "32", "--gammas",
+                           "2,1", "--iterations", "1", "--steps", "1", "--repeats", "1",
+                           "--results_dir", out["results"]])
+  rows = _json(paths["json"])["rows"]
+  assert [r["gamma"] for r in rows] == [1, 2]
+  for r in rows:
+    for key in ("speculative_ms", "fixed_ms", "verify_ms", "step_ms", "autoregressive_ms"):
+      assert r[key] > 0, key
+    for key in ("draft_in_loop", "bookkeeping", "ar_loop_work"):
+      assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"], key
+    assert r["draft_in_loop"]["median"] == pytest.approx(r["speculative_ms"] - r["fixed_ms"])
+  assert rows[0]["ar_loop_work"] == rows[1]["ar_loop_work"]
+  for bad in (["--gammas", "0"], ["--gammas", "x"], ["--example", "-1"],
+              ["--position", "60"]):
+    with pytest.raises(SystemExit):
+      loop_split.main(bad + ["--results_dir", out["results"]])
 
 
 def test_results_readme(tmp_path):
