@@ -156,17 +156,9 @@ def parse_args(argv: Sequence[str]):
     p.error(f"--layouts must name some of {', '.join(LAYOUTS)}, got {unknown or 'none'}")
   if not args.drafts:
     p.error("--drafts must name at least one draft")
-  try:
-    args.gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
-  except ValueError:
-    p.error(f"--gammas must be a comma-separated list of ints, got {args.gammas!r}")
-  if not args.gammas or min(args.gammas) < 1:
-    p.error(f"--gammas must name proposal lengths >= 1, got {args.gammas or 'none'}")
+  harness.parse_gammas_in_cache(p, args)
   if min(args.steps, args.repeats, args.setup_examples, args.input_length) < 1:
     p.error("--steps, --repeats, --setup_examples and --input_length must be >= 1")
-  if not 0 <= args.position <= args.cache_length - max(args.gammas) - 1:
-    p.error(f"--position must lie in [0, cache_length - max(gammas) - 1], got "
-            f"{args.position}")
   return args
 
 

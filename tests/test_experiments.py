@@ -758,7 +758,8 @@ def test_loop_split_times_the_decoders_own_bodies(out):
   rows = _json(paths["json"])["rows"]
   assert [r["gamma"] for r in rows] == [1, 2]
   for r in rows:
-    for key in ("speculative_ms", "fixed_ms", "verify_ms", "step_ms", "autoregressive_ms"):
+    for key in ("speculative_ms", "fixed_ms", "verify_ms", "proposal_ms", "step_ms",
+                "autoregressive_ms"):
       assert r[key] > 0, key
     for key in ("draft_in_loop", "bookkeeping", "ar_loop_work"):
       assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"], key
