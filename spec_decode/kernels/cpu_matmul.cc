@@ -536,19 +536,19 @@ inline uint16_t RoundToBf16(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-// At least n T's for one call, left uninitialized. Up to kScratchKeep bytes they are the calling
-// thread's buffer, kept from call to call: a vector made per call was zeroed before being
-// written, and in the big CNN/DM target's set-up (320 rows) those memsets of 0.3-0.6 MB took 4%
-// of both threads' time (`perf record`, AMD EPYC family 25 model 17). Larger requests (a big
-// batch's encoder) get a buffer of their own, freed with the object, so no thread holds
-// hundreds of MB after one such call. At most one live object per type and thread.
+// At least n T's for one call, left uninitialized. Up to kScratchKeep bytes they are `kept`,
+// the call site's thread_local buffer, grown as needed and kept from call to call: a vector
+// made per call was zeroed before being written, and in the big CNN/DM target's set-up (320
+// rows) those memsets of 0.3-0.6 MB took 4% of both threads' time (`perf record`, AMD EPYC
+// family 25 model 17). Larger requests (a big batch's encoder) get a buffer of their own,
+// freed with the object, so no thread holds hundreds of MB after one such call. Each call
+// site keeps its own buffer, so two live scratches never share one.
 constexpr int64_t kScratchKeep = int64_t{8} << 20;
 
 template <typename T>
 class Scratch {
  public:
-  explicit Scratch(int64_t n) {
-    thread_local std::vector<T> kept;
+  Scratch(std::vector<T>& kept, int64_t n) {
     if (n * int64_t{sizeof(T)} > kScratchKeep) {
       owned_.reset(new T[n]);  // default-initialized: no zeroing
       data_ = owned_.get();
@@ -688,7 +688,8 @@ bool RunPairs(const float* x, const void* panels, float* y, int64_t M, int64_t K
               Variant variant, int64_t num_panels, int64_t helpers, ffi::ThreadPool* pool) {
 #ifdef __AVX512BF16__
   Problem<Pair> problem{nullptr, static_cast<const Pair*>(panels), nullptr, y, M, K / 2, N};
-  Scratch<uint32_t> pairs(M * (K / 2));
+  thread_local std::vector<uint32_t> kept;
+  Scratch<uint32_t> pairs(kept, M * (K / 2));
   PairRows(x, M, K / 2, pairs.get());
   problem.xpairs = pairs.get();
   Run(problem, variant, num_panels, helpers, pool);
@@ -1533,7 +1534,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer, ffi::Any
   const auto type = panels.element_type();
   const void* w = panels.untyped_data();
   const float* xin = x.typed_data();
-  Scratch<float> normed(norm != nullptr ? M * K : 0);
+  thread_local std::vector<float> kept_normed;
+  Scratch<float> normed(kept_normed, norm != nullptr ? M * K : 0);
   if (norm != nullptr) {
     NormRows(xin, norm, eps, M, K, normed.get());
     xin = normed.get();
