@@ -365,6 +365,22 @@ def test_an_interrupt_python_swallows_in_a_callback_is_raised_again():
     signal.signal(signal.SIGINT, previous_sigint)
 
 
+def test_a_finished_command_ignores_a_late_interrupt():
+  """After a command's work is done (`ignore_late_interrupts`), a Ctrl-C on its way during
+  the exit raises nothing: no traceback from an exit hook."""
+  import os
+  import signal
+  import time
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    cli.ignore_late_interrupts()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # a KeyboardInterrupt would be raised here
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_resume_messages():
   assert run_status.resume_state(4, 4, "o/p.jsonl")["message"].startswith("decoding 4 examples")
   state = run_status.resume_state(10, 4, "o/p.jsonl")

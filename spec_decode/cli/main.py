@@ -298,6 +298,7 @@ def main(argv: Sequence[str]) -> None:
                                  error if FLAGS.verbose else None)
     if summary:  # process 0
       print(format_summary(summary))
+    errors.ignore_late_interrupts()  # done: a Ctrl-C now would only disturb the exit
 
 
 def run_command() -> None:

@@ -46,6 +46,7 @@ def main(argv: Sequence[str]) -> None:
     cfg = parse_config(flags.FLAGS.gin_file, flags.FLAGS.gin_bindings)
     with errors.one_line_on_interrupt(lambda: interrupted_line(cfg)):
       cfg.run(report=lambda s: print(s, flush=True))
+    errors.ignore_late_interrupts()  # done: a Ctrl-C now would only disturb the exit
 
 
 def interrupted_line(cfg) -> str:
