@@ -69,6 +69,31 @@ def test_eos_stops_rows_independently():
   assert len(set(np.asarray(r.lengths).tolist())) > 1
 
 
+def test_finished_rows_stop_growing_their_cache():
+  """The loop body decodes every row of the batch, but a finished row's cache is rewound:
+  its filled slots stay at its length (the tokens it consumed), so its attention does not
+  read one more slot per later step while slower rows go on."""
+  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+  params = model.init(jax.random.PRNGKey(11))
+  dense = params["decoder"]["logits_dense"]["kernel"]
+  params["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(4.0)
+  enc = jnp.asarray(_enc(model.config.vocab_size, 16, seed=3))
+  L = 12
+  ctx = runner.LoopContext(
+      target=model, target_params=base.decoding_params(model, params), draft=None,
+      draft_params=None, encoder_tokens=enc, draft_encoder_tokens=None,
+      rng=jax.random.PRNGKey(0), row_ids=jnp.arange(16, dtype=jnp.int32),
+      max_decode_len=L, sampling=Sampling(temperature=1.0))
+  parts = decoding.Autoregressive().loop_parts(ctx)
+  body = jax.jit(parts.make_body(parts.ctx))
+  s = parts.init
+  for _ in range(L):
+    s = body(s)
+    np.testing.assert_array_equal(s.cache.lengths, s.lengths)
+  lengths = np.asarray(s.lengths)
+  assert np.asarray(s.done).all() and lengths.min() < L  # some rows finished early
+
+
 @pytest.mark.slow
 def test_sampled_pairs_follow_model_distribution():
   """The (first, second) token pair frequencies match the model's exact joint law."""

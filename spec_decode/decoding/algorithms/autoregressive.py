@@ -72,9 +72,14 @@ class Autoregressive(runner.Algorithm):
 
     def body(s: _State) -> _State:
       out = model.decode(params, s.cache, s.last[:, None])
-      cache = ctx.constrain_cache(out.cache, "target")
-      tok = next_token(ctx.keys(s.stats.target_calls), out.logits[:, 0], sampling)
       active = ~s.done
+      # A finished row is still decoded (the batch is one call) but its cache is rewound,
+      # as the speculative loop rewinds its finished rows: otherwise each later step would
+      # append a slot its attention reads (a plain batch's early finishers read up to the
+      # slowest row's length every step).
+      cache = out.cache.rewind(jnp.where(active, out.cache.lengths, s.cache.lengths))
+      cache = ctx.constrain_cache(cache, "target")
+      tok = next_token(ctx.keys(s.stats.target_calls), out.logits[:, 0], sampling)
       tok = jnp.where(active, tok, 0)
       lengths = s.lengths + active.astype(jnp.int32)
       rows = jnp.arange(tok.shape[0])
