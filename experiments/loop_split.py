@@ -5,8 +5,8 @@ r"""Where one iteration of the decoding loop goes: the loop bodies the decoders 
       --task synthetic_ende --input_length 64 --gammas 3,5
 
 Times, in the same interleaved rounds (`timing.interleaved`; each value the marginal cost of
-one more iteration, (t(2k) - t(k)) / k, free of the set-up both calls pay once), batch 1,
-one example of the task:
+one more iteration, (t(2k) - t(k)) / k, free of the set-up both calls pay once), on
+--batch rows (consecutive test examples of the task from --example; default one):
   speculative(g)  the speculative decoder's own loop body (`Algorithm.loop_parts(...)
                   .make_body`: proposal, verify call, acceptance, commit, statistics), run k
                   and 2k times in one jit from the start of a decode, with its draft model;
@@ -27,7 +27,10 @@ machine) and reported as medians with 25th-75th percentiles:
   bookkeeping       = fixed(g) - verify(g + 1): acceptance, commit and statistics;
   AR loop work      = autoregressive - step(1).
 A row's body keeps running after its sequence ends (inactive rows still cost a full
-iteration). Longer loops give steadier marginal costs: on a 2-core AMD EPYC of family 26,
+iteration). The decode calls alone run at the cache position the bodies reach (--position
+auto): at batch 8 on the big EnDe target a one-token step costs 1.42 ms with 24 slots
+filled and 1.95 ms with 96 (self-attention reads the filled slots of every row), so timing
+them at a fixed early position books attention the bodies read as loop work. Longer loops give steadier marginal costs: on a 2-core AMD EPYC of family 26,
 6 and 12 iterations left the differences' 25th-75th percentiles +-0.4 ms apart over 81
 rounds, 16 and 32 about +-0.15 ms over 41 (the defaults).
 Writes <results_dir>/<stem>.{md,csv,json}.
@@ -58,12 +61,15 @@ def _body_loop(algorithm, models, draft, params, draft_params, tokens, *, iterat
         target=models.target, target_params=target_params, draft=draft,
         draft_params=draft_params, encoder_tokens=tokens,
         draft_encoder_tokens=None if draft is None else tokens,
-        rng=jax.random.PRNGKey(0), row_ids=jnp.zeros((tokens.shape[0],), jnp.int32),
+        rng=jax.random.PRNGKey(0), row_ids=jnp.arange(tokens.shape[0], dtype=jnp.int32),
         max_decode_len=max_decode_len, sampling=Sampling())
     parts = algorithm.loop_parts(ctx)
     body = parts.make_body(parts.ctx)
     state = jax.lax.fori_loop(0, iterations, lambda i, s: body(s), parts.init)
-    return parts.result_of(state)
+    # The target cache's filled slots per row (a finished row's keep growing in the
+    # autoregressive body, which decodes every row; the speculative one rewinds them).
+    cache = getattr(state, "target_cache", None) or state.cache
+    return parts.result_of(state), cache.lengths
 
   def loop():
     return jax.block_until_ready(run(params, draft_params, tokens))
@@ -81,9 +87,12 @@ def measure(args) -> list[dict[str, Any]]:
 
   models = harness.load_models(args.target, {args.draft: args.draft})
   draft, draft_params = models.draft(args.draft)
-  inputs = harness.task_inputs(args.task, split="test", num_examples=args.example + 1,
+  inputs = harness.task_inputs(args.task, split="test", num_examples=args.example + args.batch,
                                input_length=args.input_length, decode_len=args.cache_length)
-  tokens = runner.trim_padding(np.asarray(inputs[args.example:args.example + 1]))
+  tokens = runner.trim_padding(np.asarray(inputs[args.example:args.example + args.batch]))
+  if tokens.shape[0] != args.batch:
+    raise ValueError(f"--batch {args.batch} from example {args.example}: the task's test "
+                     f"split has only {len(inputs)} examples")
   tp = base.decoding_params(models.target, models.target_params)
   dp = base.decoding_params(draft, draft_params)
   k = args.iterations
@@ -95,23 +104,52 @@ def measure(args) -> list[dict[str, Any]]:
                                 max_decode_len=L)
     return make(steps), make(2 * steps)
 
-  w = timing.Workload(target=models.target, target_params=models.target_params,
-                      encoder_tokens=tokens, cache_length=args.cache_length,
-                      position=args.position, draft=draft, draft_params=draft_params)
-  loops = {"autoregressive": pair(decoding.Autoregressive(), False, 4 * k),
+  def reached(loops) -> int:
+    """The mean target-cache position over a pair's marginal iterations (between the
+    shorter and the longer loop's end), over the rows: where its bodies' attention reads."""
+    ends = [float(np.mean(np.asarray(loop()[1]))) for loop in loops]
+    return int(round(sum(ends) / 2))
+
+  def workload(position: int, cache_length: int):
+    return timing.Workload(target=models.target, target_params=models.target_params,
+                           encoder_tokens=tokens, cache_length=cache_length,
+                           position=position, draft=draft, draft_params=draft_params)
+
+  auto = args.position == "auto"
+  ar = pair(decoding.Autoregressive(), False, 4 * k)
+  bodies = {g: pair(decoding.Speculative(gamma=g), True, k) for g in args.gammas}
+  # The decode calls alone at the positions the bodies reach (--position auto), in a
+  # cache as long as theirs, or at the given position of a --cache_length cache.
+  cache_length = L + max(args.gammas) + 2 if auto else args.cache_length
+  at = lambda loops: reached(loops) if auto else int(args.position)
+  step_position = at(ar)
+  loops = {"autoregressive": ar,
            "step:1": timing.marginal_pair(
-               lambda n: w.decode_loop("target", num_tokens=1, steps=n), args.steps)}
+               lambda n: workload(step_position, cache_length).decode_loop(
+                   "target", num_tokens=1, steps=n), args.steps)}
+  positions, fixed_positions = {}, {}
   for g in args.gammas:
-    loops[f"speculative:{g}"] = pair(decoding.Speculative(gamma=g), True, k)
-    loops[f"fixed:{g}"] = pair(decoding.Speculative(gamma=g, drafter=FixedProposal()), False,
-                               k)
+    fixed = pair(decoding.Speculative(gamma=g, drafter=FixedProposal()), False, k)
+    positions[g], fixed_positions[g] = at(bodies[g]), at(fixed)
+    w = workload(positions[g], cache_length)
+    loops[f"speculative:{g}"] = bodies[g]
+    loops[f"fixed:{g}"] = fixed
     drafter = decoding.Speculative(gamma=g).drafter
     loops[f"proposal:{g}"] = timing.marginal_pair(
-        lambda n, g=g, drafter=drafter: drafter.proposal_loop(w, gamma=g, steps=n), args.steps)
+        lambda n, g=g, w=w, drafter=drafter: drafter.proposal_loop(w, gamma=g, steps=n),
+        args.steps)
     loops[f"verify:{g + 1}"] = timing.marginal_pair(
-        lambda n, g=g: w.decode_loop("target", num_tokens=g + 1, steps=n), args.steps)
-  print(f"timing {len(loops)} loops in {args.repeats} interleaved rounds (encoder input "
-        f"{tokens.shape[1]} positions)", flush=True)
+        lambda n, g=g, w=w: w.decode_loop("target", num_tokens=g + 1, steps=n), args.steps)
+    if fixed_positions[g] != positions[g]:  # the FixedProposal body reads a shorter cache
+      wf = workload(fixed_positions[g], cache_length)
+      loops[f"verify_fixed:{g + 1}"] = timing.marginal_pair(
+          lambda n, g=g, wf=wf: wf.decode_loop("target", num_tokens=g + 1, steps=n),
+          args.steps)
+  print(f"timing {len(loops)} loops in {args.repeats} interleaved rounds (batch "
+        f"{tokens.shape[0]}, encoder input {tokens.shape[1]} positions; decode calls alone "
+        f"in a {cache_length}-slot cache at position {step_position} (one token), "
+        + ", ".join(f"{positions[g]} / {fixed_positions[g]} ({g + 1} tokens, speculative / "
+                    "FixedProposal)" for g in args.gammas) + ")", flush=True)
   r = {name: 1e3 * np.asarray(v)
        for name, v in timing.interleaved(loops, repeats=args.repeats).items()}
   q = lambda x: {"median": float(np.median(x)), "p25": float(np.percentile(x, 25)),
@@ -120,13 +158,17 @@ def measure(args) -> list[dict[str, Any]]:
   rows = []
   for g in args.gammas:
     spec, fixed, verify = r[f"speculative:{g}"], r[f"fixed:{g}"], r[f"verify:{g + 1}"]
-    row = {"gamma": g, "input_positions": int(tokens.shape[1]),
+    verify_fixed = r.get(f"verify_fixed:{g + 1}", verify)
+    row = {"gamma": g, "batch": int(tokens.shape[0]), "input_positions": int(tokens.shape[1]),
+           "cache_length": cache_length, "step_position": step_position,
+           "verify_position": positions[g], "fixed_position": fixed_positions[g],
            "speculative_ms": float(np.median(spec)), "fixed_ms": float(np.median(fixed)),
            "verify_ms": float(np.median(verify)),
+           "verify_fixed_ms": float(np.median(verify_fixed)),
            "proposal_ms": float(np.median(r[f"proposal:{g}"])),
            "step_ms": float(np.median(r["step:1"])),
            "autoregressive_ms": float(np.median(r["autoregressive"])),
-           "draft_in_loop": q(spec - fixed), "bookkeeping": q(fixed - verify),
+           "draft_in_loop": q(spec - fixed), "bookkeeping": q(fixed - verify_fixed),
            "ar_loop_work": ar_work}
     rows.append(row)
     print({key: v for key, v in row.items()}, flush=True)
@@ -140,21 +182,40 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--draft", default="demo:cnndm_small")
   p.add_argument("--task", default="synthetic_cnndm")
   p.add_argument("--input_length", type=int, default=320)
-  p.add_argument("--example", type=int, default=3, help="index of the test example decoded")
+  p.add_argument("--example", type=int, default=3,
+                 help="index of the (first) test example decoded")
+  p.add_argument("--batch", type=int, default=1,
+                 help="rows: test examples --example, --example + 1, ... decoded together")
   p.add_argument("--gammas", default="1,3,5,8", help="comma-separated proposal lengths")
   p.add_argument("--iterations", type=int, default=16,
                  help="iterations of the shorter speculative loop (4x for the autoregressive)")
   p.add_argument("--cache_length", type=int, default=64,
-                 help="the decode-call loops' cache (verify, step)")
-  p.add_argument("--position", type=int, default=24, help="their cache slots filled")
+                 help="the decode-call loops' cache (verify, step) with a numeric --position")
+  p.add_argument("--position", default="auto",
+                 help="their cache slots filled: 'auto' (default), the mean position the "
+                      "loop bodies' marginal iterations reach (the autoregressive body's for "
+                      "the one-token step, each gamma's speculative body's for its verify "
+                      "call and proposal), in a cache as long as the bodies'; or a number")
   p.add_argument("--steps", type=int, default=16, help="iterations of their shorter loop")
   p.add_argument("--repeats", type=int, default=41, help="interleaved rounds")
   p.add_argument("--stem", default="loop_split")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
-  harness.parse_gammas_in_cache(p, args)
-  if min(args.iterations, args.steps, args.repeats, args.input_length) < 1 or args.example < 0:
-    p.error("--iterations, --steps, --repeats and --input_length must be >= 1, --example >= 0")
+  if args.position == "auto":  # checked against the bodies' own caches
+    try:
+      args.gammas = sorted(set(harness.parse_ints(args.gammas, "gammas")))
+    except ValueError as e:
+      p.error(str(e))
+  else:
+    try:
+      args.position = int(args.position)
+    except ValueError:
+      p.error(f"--position must be 'auto' or an int, got {args.position!r}")
+    harness.parse_gammas_in_cache(p, args)
+  if (min(args.iterations, args.steps, args.repeats, args.input_length, args.batch) < 1
+      or args.example < 0):
+    p.error("--iterations, --steps, --repeats, --input_length and --batch must be >= 1, "
+            "--example >= 0")
   return args
 
 
@@ -165,6 +226,7 @@ def run(args, meta) -> harness.Output:
   cols = [Column("gamma", "gamma"), Column("speculative_ms", "speculative iteration", ms),
           Column("fixed_ms", "without the draft", ms),
           Column("verify_ms", "verify call alone", ms),
+          Column("verify_fixed_ms", "verify call at the FixedProposal body's position", ms),
           Column("proposal_ms", "proposal alone", ms),
           Column("draft_in_loop", "draft in the loop", spread),
           Column("bookkeeping", "bookkeeping", spread),
@@ -173,15 +235,24 @@ def run(args, meta) -> harness.Output:
           Column("ar_loop_work", "autoregressive loop work", spread)]
   first = rows[0]
   notes = [
-      f"Target {args.target}, draft {args.draft}; batch 1, {args.task} test example "
-      f"{args.example} ({first['input_positions']} encoder positions after trimming); the "
+      f"Target {args.target}, draft {args.draft}; batch {args.batch}, {args.task} test "
+      f"example{'s' if args.batch > 1 else ''} {args.example}"
+      f"{'' if args.batch == 1 else f'-{args.example + args.batch - 1}'} "
+      f"({first['input_positions']} encoder positions after trimming); the "
       f"loop bodies run {args.iterations} and {2 * args.iterations} iterations "
       f"({4 * args.iterations} and {8 * args.iterations} autoregressive) from the start of "
-      f"its decode; the decode calls alone at a cache of {args.cache_length} slots filled to "
-      f"{args.position}, {args.steps} and {2 * args.steps} calls; {args.repeats} interleaved "
+      f"its decode; the decode calls alone in a cache of {first['cache_length']} slots "
+      f"filled to {first['step_position']} (the one-token step) and to "
+      + ", ".join(f"{r['verify_position']} (gamma {r['gamma']}; {r['fixed_position']} for "
+                  "its FixedProposal body)" for r in rows)
+      + (" (--position auto: the mean position of the bodies' marginal iterations, over the "
+         "rows, so the calls alone read the cache the bodies read)" if args.position == "auto"
+         else "") + f"; {args.steps} and {2 * args.steps} calls; {args.repeats} interleaved "
       "rounds.",
       "draft in the loop = speculative iteration - the same body without the draft "
-      "(FixedProposal), per round; bookkeeping = that body - the verify call alone; "
+      "(FixedProposal), per round (that body advances ~1 token per iteration, so it reads a "
+      "shorter cache: part of the difference is attention); bookkeeping = that body - the "
+      "verify call alone at the position that body reaches; "
       "autoregressive loop work = its iteration - the target step alone. Cells: median "
       "[25th, 75th percentile] over rounds; the spread is the machine's noise.",
       "The cost model charges the draft gamma c T_p per iteration (c per drafted token): a "

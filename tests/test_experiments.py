@@ -747,26 +747,32 @@ def test_draft_layout_packs_the_small_draft_into_fewer_thunks(out):
 
 @pytest.mark.slow
 def test_loop_split_times_the_decoders_own_bodies(out):
-  """The loop bodies the decoders run, on the 3.7M pair: a row per gamma with the three
-  speculative timings, the differences as spreads, and the autoregressive pair; bad
+  """The loop bodies the decoders run, on the 3.7M pair at batch 2: a row per gamma with the
+  three speculative timings, the differences as spreads, and the autoregressive pair; bad
   arguments stop with a usage error."""
   from experiments import loop_split
   paths = loop_split.main(["--target", "demo:ende_target", "--draft", "demo:ende_small",
                            "--task", "synthetic_ende", "--input_length", "32", "--gammas",
                            "2,1", "--iterations", "1", "--steps", "1", "--repeats", "1",
-                           "--results_dir", out["results"]])
+                           "--batch", "2", "--results_dir", out["results"]])
   rows = _json(paths["json"])["rows"]
   assert [r["gamma"] for r in rows] == [1, 2]
+  assert [r["batch"] for r in rows] == [2, 2]
   for r in rows:
-    for key in ("speculative_ms", "fixed_ms", "verify_ms", "proposal_ms", "step_ms",
-                "autoregressive_ms"):
+    for key in ("speculative_ms", "fixed_ms", "verify_ms", "verify_fixed_ms", "proposal_ms",
+                "step_ms", "autoregressive_ms"):
       assert r[key] > 0, key
+    # --position auto: the calls alone read as far as the bodies' marginal iterations
+    # (1 -> 2 iterations from the start: a few tokens), in a cache as long as theirs
+    assert 1 <= r["fixed_position"] <= r["verify_position"] <= 2 * (r["gamma"] + 1)
+    assert 4 <= r["step_position"] <= 8
+    assert r["cache_length"] > r["verify_position"] + r["gamma"]
     for key in ("draft_in_loop", "bookkeeping", "ar_loop_work"):
       assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"], key
     assert r["draft_in_loop"]["median"] == pytest.approx(r["speculative_ms"] - r["fixed_ms"])
   assert rows[0]["ar_loop_work"] == rows[1]["ar_loop_work"]
   for bad in (["--gammas", "0"], ["--gammas", "x"], ["--example", "-1"],
-              ["--position", "60"]):
+              ["--position", "60"], ["--position", "x"], ["--batch", "0"]):
     with pytest.raises(SystemExit):
       loop_split.main(bad + ["--results_dir", out["results"]])
 
