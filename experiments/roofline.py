@@ -8,7 +8,8 @@ A decode step reads every decoder weight once (bytes / read bandwidth) and multi
 batch x N rows by it (2 x decoder weights x rows FLOPs / multiply-add peak); it can go no
 faster than the larger of the two. This measures the machine (read bandwidth over a
 buffer the size of the packed decoder weights, with as many threads as the process may
-use; the peak of independent multiply-add chains at each vector width the kernel has),
+use; the peak of independent multiply-add chains at each vector width the kernel has, and
+of bfloat16 dot-product chains where it has them: the bound of 'bfloat16_dot' weights),
 then the target's single-token step T_p, the draft's T_q and the target's t(N) with
 marginal step costs (`timing.step_time`, the weights packed as decoding packs them), for
 each batch size and each --kernel_weights setting (`T5.kernel_weights`: 'auto' packs a
@@ -98,13 +99,22 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   target, tparams = models.target, models.target_params
   draft, dparams = models.draft("draft")
   peaks = {w: cpu_matmul.fma_peak(w) for w in cpu_matmul.widths()}
+  # bfloat16 dot products (VDPBF16PS) do two multiply-adds per lane and instruction: the
+  # 'bfloat16_dot' weights' products are judged against their own peak.
+  dots = ({w: cpu_matmul.dot_peak(w) for w in cpu_matmul.widths()}
+          if cpu_matmul.has_bfloat16_dot() else {})
+  dots = {w: g for w, g in dots.items() if g}
   print(f"CPU {info['model']} ({', '.join(info['features'])}); multiply-add peak "
-        + ", ".join(f"{w}-wide {g:.0f} GFLOP/s" for w, g in peaks.items()), flush=True)
+        + ", ".join(f"{w}-wide {g:.0f} GFLOP/s" for w, g in peaks.items())
+        + "".join(f"; bfloat16 dot-product peak {w}-wide {g:.0f} GFLOP/s"
+                  for w, g in dots.items()), flush=True)
   machine = {"cpu": info, "fma_peak_gflops": {str(w): g for w, g in peaks.items()},
-             "read_gbps": {}}
+             "dot_peak_gflops": {str(w): g for w, g in dots.items()}, "read_gbps": {}}
   length = args.position + max(args.tokens) + 1
   rows = []
   for weights in args.kernel_weights:
+    dot = weights == "bfloat16_dot" or (weights == "bfloat16_dot_if_supported"
+                                        and cpu_matmul.has_bfloat16_dot())
     model = dataclasses.replace(target, kernel_weights=weights)
     dmodel = dataclasses.replace(draft, kernel_weights=weights)
     packed = model.decode_params(tparams)
@@ -123,7 +133,8 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
       for n in args.tokens:
         rows_n = batch * n
         variant = _variant_used(rows_n)
-        peak = peaks[cpu_matmul.variant_width(variant)]
+        width = cpu_matmul.variant_width(variant)
+        peak = dots[width] if dot and width in dots else peaks[width]
         flops = 2.0 * macs * rows_n
         bound = max(nbytes / (bw * 1e9), flops / (peak * 1e9))
         rows.append({"weights": weights, "decoder_mib": nbytes / 2 ** 20, "batch": batch,
@@ -133,6 +144,7 @@ def measure(args) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                      "gbps": nbytes / times[n] / 1e9, "gbps_frac": nbytes / times[n] / 1e9 / bw,
                      "gflops": flops / times[n] / 1e9,
                      "gflops_frac": flops / times[n] / 1e9 / peak,
+                     "peak": "dot" if dot and width in dots else "fma",
                      "bound_ms": bound * 1e3, "over_bound": times[n] / bound})
         r = rows[-1]
         print(f"  {weights} B={batch} N={n}: {r['t_ms']:.3f} ms (t(N) {r['t_ratio']:.2f}), "
@@ -206,13 +218,16 @@ def run(args, meta: dict) -> Output:
   notes = [f"CPU: {info['model']}, features {', '.join(info['features']) or 'none listed'}; "
            f"kernel variants {', '.join(cpu_matmul_variants())}; multiply-add peak "
            + ", ".join(f"{w}-wide {g:.0f} GFLOP/s" for w, g in machine["fma_peak_gflops"].items())
+           + "".join(f"; bfloat16 dot-product (VDPBF16PS) peak {w}-wide {g:.0f} GFLOP/s"
+                     for w, g in machine.get("dot_peak_gflops", {}).items())
            + "; read bandwidth at the decoder's size "
            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in machine["read_gbps"].items()) + ".",
            f"target {args.target}, draft {args.draft}; encoder input {args.input_length} tokens, "
            f"cache filled to {args.position}; marginal step costs, median of {args.repeats} "
            "rounds. N new tokens per row, rows = batch x N.",
            "bound = max(decoder bytes / read bandwidth, 2 x decoder multiply-adds x rows / peak "
-           "at the width used); attention and the loop's own work are outside it, so "
+           "at the width used: the bfloat16 dot-product peak for 'bfloat16_dot' weights, the "
+           "multiply-add peak otherwise); attention and the loop's own work are outside it, so "
            "'time / bound' >= 1 by their share.",
            f"variant: the kernel variant (vector width; {cpu_matmul.VARIANT_LEGEND}) chosen "
            "for most weight shapes at that row count."]

@@ -711,6 +711,36 @@ def test_bandwidth_and_peak_probes_keep_their_highest_reading(monkeypatch):
   assert cpu_matmul.fma_peak(8, threads=1, repeats=3) == 190.0
 
 
+def test_dot_product_peak_probe_keeps_its_highest_reading_or_says_none(monkeypatch):
+  """The bfloat16 dot-product peak: the highest reading, and None where the library has no
+  dot products (it answers -1)."""
+  readings = iter([300.0, 410.0, 120.0, -1.0])
+
+  class Fake:
+    def spec_decode_dot_gflops(self, width, iters, threads):
+      return next(readings)
+
+  monkeypatch.setattr(cpu_matmul, "_library", lambda: Fake())
+  assert cpu_matmul.dot_peak(16, threads=1, repeats=3) == 410.0
+  assert cpu_matmul.dot_peak(16, threads=1, repeats=1) is None
+
+
+@needs_kernel
+def test_dot_product_peak_where_the_kernel_has_dot_products():
+  """Measured where the build has AVX512-BF16 (a sanity bound: more than half the
+  multiply-add chains' rate at the same width; it is about twice that on the AMD EPYC of
+  family 26, two multiply-adds per lane and instruction), None elsewhere and for a width
+  the kernel lacks."""
+  if not cpu_matmul.has_bfloat16_dot():
+    assert cpu_matmul.dot_peak(8, threads=1, iters=10_000) is None
+    return
+  for width in cpu_matmul.widths():
+    got = cpu_matmul.dot_peak(width, threads=1, iters=200_000, repeats=3)
+    assert got is not None and got > 0.5 * cpu_matmul.fma_peak(width, threads=1,
+                                                                 iters=200_000, repeats=3)
+  assert cpu_matmul.dot_peak(4, threads=1, iters=10_000) is None
+
+
 @needs_kernel
 def test_describe_names_the_cpu_and_the_variants():
   info = cpu_matmul.describe()

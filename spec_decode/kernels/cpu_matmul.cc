@@ -38,8 +38,9 @@
 //
 // Also exported (plain C, for the roofline benchmark and the variant tuner):
 // spec_decode_matmul (the same products on raw pointers, one thread),
-// spec_decode_read_gbps (read bandwidth over a buffer) and spec_decode_fma_gflops
-// (peak of a register-only multiply-add loop).
+// spec_decode_read_gbps (read bandwidth over a buffer), spec_decode_fma_gflops
+// (peak of a register-only multiply-add loop) and spec_decode_dot_gflops (the same for
+// bfloat16 dot products).
 
 #include <algorithm>
 #include <array>
@@ -1619,6 +1620,53 @@ double FmaLoop(int64_t iters) {
   return sum;
 }
 
+// Seconds for `loop` (a register-only peak loop, returning a value kept from the
+// optimizer) run once on each of `threads` threads at the same time.
+double SecondsOnThreads(int64_t threads, const std::function<double()>& loop) {
+  std::vector<double> sink(threads);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back([&sink, &loop, t] { sink[t] = loop(); });
+  sink[0] = loop();
+  for (auto& th : pool) th.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile double keep = sink[0];
+  (void)keep;
+  return seconds;
+}
+
+#ifdef __AVX512BF16__
+// 12 independent chains of VDPBF16PS on `W`-wide float32 sums (each lane adds two
+// bfloat16 products per instruction): the arithmetic peak of the dot-product blocks
+// (`DotBlock16`, `DotBlock8`), which on some CPUs issue as many instructions per cycle as
+// FMAs and so double the multiply-adds.
+template <int W>
+double DotLoop(int64_t iters) {
+  using Acc = std::conditional_t<W == 16, __m512, __m256>;
+  using Pairs = std::conditional_t<W == 16, __m512bh, __m256bh>;
+  Acc acc[12];
+  Pairs a, b;
+  if constexpr (W == 16) {
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i));
+    a = (__m512bh)_mm512_set1_epi32(0x35803f80);  // the pair (1, 2^-20): sums stay finite
+    b = (__m512bh)_mm512_set1_epi32(0x35803f80);
+  } else {
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(float(i));
+    a = (__m256bh)_mm256_set1_epi32(0x35803f80);
+    b = (__m256bh)_mm256_set1_epi32(0x35803f80);
+  }
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 12; ++i) {
+      if constexpr (W == 16) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+      else acc[i] = _mm256_dpbf16_ps(acc[i], a, b);
+    }
+  float sum = 0;
+  for (int i = 0; i < 12; ++i) sum += acc[i][0];
+  return sum;
+}
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecDecodeSmallMMatmul, Unscaled,
@@ -1807,23 +1855,29 @@ double spec_decode_read_gbps(const void* buffer, int64_t bytes, int64_t passes,
 double spec_decode_fma_gflops(int64_t width, int64_t iters, int64_t threads) {
   if (!HaveWidth(width)) return -1;
   threads = std::max<int64_t>(1, threads);
-  std::vector<double> sink(threads);
-  auto run = [&](int64_t t) {
+  const double seconds = SecondsOnThreads(threads, [&] {
 #ifdef __AVX512F__
-    if (width == 16) { sink[t] = FmaLoop<f32x16>(iters); return; }
+    if (width == 16) return FmaLoop<f32x16>(iters);
 #endif
-    sink[t] = FmaLoop<f32x8>(iters);
-  };
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
-  run(0);
-  for (auto& th : pool) th.join();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  volatile double keep = sink[0];
-  (void)keep;
+    return FmaLoop<f32x8>(iters);
+  });
   return 2.0 * 12 * width * double(iters) * threads / seconds / 1e9;
+}
+
+// GFLOP/s (4 per lane and instruction: two multiply-adds) of 12 independent VDPBF16PS
+// chains of `width`-wide sums, `iters` steps, on each of `threads` threads. -1 where this
+// build has no bfloat16 dot products (no AVX512-BF16) or not that width.
+double spec_decode_dot_gflops(int64_t width, int64_t iters, int64_t threads) {
+#ifdef __AVX512BF16__
+  if (width != 8 && width != 16) return -1;
+  threads = std::max<int64_t>(1, threads);
+  const double seconds = SecondsOnThreads(
+      threads, [&] { return width == 16 ? DotLoop<16>(iters) : DotLoop<8>(iters); });
+  return 4.0 * 12 * width * double(iters) * threads / seconds / 1e9;
+#else
+  (void)width, (void)iters, (void)threads;
+  return -1;
+#endif
 }
 
 }  // extern "C"

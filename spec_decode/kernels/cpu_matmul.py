@@ -465,6 +465,8 @@ def _register() -> str | None:
     lib.spec_decode_thread_stats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.spec_decode_fma_gflops.restype = ctypes.c_double
     lib.spec_decode_fma_gflops.argtypes = [ctypes.c_int64] * 3
+    lib.spec_decode_dot_gflops.restype = ctypes.c_double
+    lib.spec_decode_dot_gflops.argtypes = [ctypes.c_int64] * 3
   except Exception as e:  # no compiler, no headers, an FFI mismatch: keep XLA's dots
     logging.warning("spec_decode: CPU decoding kernel unavailable, using XLA dots (%s)", e)
     return str(e)
@@ -817,6 +819,18 @@ def fma_peak(width: int, *, threads: int = 0, iters: int = 20_000_000, repeats: 
   threads = threads or len(os.sched_getaffinity(0))
   return max(float(_library().spec_decode_fma_gflops(width, iters, threads))
              for _ in range(max(1, repeats)))
+
+
+def dot_peak(width: int, *, threads: int = 0, iters: int = 20_000_000, repeats: int = 5
+             ) -> float | None:
+  """GFLOP/s of independent bfloat16 dot-product chains (VDPBF16PS: two multiply-adds per
+  lane) of `width`-wide float32 sums on `threads` threads, the highest of `repeats`
+  readings: the arithmetic bound of the 'bfloat16_dot' weights. None where the kernel has no
+  dot products (`has_bfloat16_dot`)."""
+  threads = threads or len(os.sched_getaffinity(0))
+  best = max(float(_library().spec_decode_dot_gflops(width, iters, threads))
+             for _ in range(max(1, repeats)))
+  return best if best > 0 else None
 
 
 class PackCache:
