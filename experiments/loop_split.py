@@ -24,15 +24,17 @@ machine) and reported as medians with 25th-75th percentiles:
   draft in the loop = speculative(g) - fixed(g): what the draft's proposal costs where the
                       loop runs it, right after the target's verify call went through the
                       caches; the cost model charges g c for it (c per drafted token);
-  bookkeeping       = fixed(g) - verify(g + 1): acceptance, commit and statistics;
+  bookkeeping       = fixed(g) - verify(g + 1) at the FixedProposal body's position:
+                      acceptance, commit and statistics;
   AR loop work      = autoregressive - step(1).
 A row's body keeps running after its sequence ends (inactive rows still cost a full
 iteration). The decode calls alone run at the cache position the bodies reach (--position
 auto): at batch 8 on the big EnDe target a one-token step costs 1.42 ms with 24 slots
 filled and 1.95 ms with 96 (self-attention reads the filled slots of every row), so timing
-them at a fixed early position books attention the bodies read as loop work. Longer loops give steadier marginal costs: on a 2-core AMD EPYC of family 26,
-6 and 12 iterations left the differences' 25th-75th percentiles +-0.4 ms apart over 81
-rounds, 16 and 32 about +-0.15 ms over 41 (the defaults).
+them at a fixed early position books attention the bodies read as loop work. Longer loops
+give steadier marginal costs: on a 2-core AMD EPYC of family 26, 6 and 12 iterations left
+the differences' 25th-75th percentiles +-0.4 ms apart over 81 rounds, 16 and 32 about
++-0.15 ms over 41 (the defaults).
 Writes <results_dir>/<stem>.{md,csv,json}.
 """
 
@@ -66,9 +68,10 @@ def _body_loop(algorithm, models, draft, params, draft_params, tokens, *, iterat
     parts = algorithm.loop_parts(ctx)
     body = parts.make_body(parts.ctx)
     state = jax.lax.fori_loop(0, iterations, lambda i, s: body(s), parts.init)
-    # The target cache's filled slots per row (a finished row's keep growing in the
-    # autoregressive body, which decodes every row; the speculative one rewinds them).
-    cache = getattr(state, "target_cache", None) or state.cache
+    # The target cache's filled slots per row: where the bodies' attention reads (both
+    # loops rewind a finished row's cache, so its slots stop at its length).
+    cache = getattr(state, "target_cache", None)
+    cache = state.cache if cache is None else cache
     return parts.result_of(state), cache.lengths
 
   def loop():
