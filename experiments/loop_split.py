@@ -31,10 +31,15 @@ A row's body keeps running after its sequence ends (inactive rows still cost a f
 iteration). The decode calls alone run at the cache position the bodies reach (--position
 auto): at batch 8 on the big EnDe target a one-token step costs 1.42 ms with 24 slots
 filled and 1.95 ms with 96 (self-attention reads the filled slots of every row), so timing
-them at a fixed early position books attention the bodies read as loop work. Longer loops
-give steadier marginal costs: on a 2-core AMD EPYC of family 26, 6 and 12 iterations left
-the differences' 25th-75th percentiles +-0.4 ms apart over 81 rounds, 16 and 32 about
-+-0.15 ms over 41 (the defaults).
+them at a fixed early position books attention the bodies read as loop work. The bodies'
+marginal iterations should decode live rows: a row done before the longer loop ends still
+runs (a frozen cache, nothing committed), and on the big CNN/DM target such an iteration
+cost 0.15 ms less than a live one; each row of the results records the fraction of rows
+done by then, and the default 4 / 8 iterations (16 / 32 autoregressive) keep the default
+article's ~34-token summary live. Longer loops give steadier marginal costs (on a 2-core
+AMD EPYC of family 26, 16 and 32 iterations left the differences' 25th-75th percentiles
+about +-0.15 ms apart over 41 rounds, 6 and 12 about +-0.4 ms over 81), so the default
+takes more rounds.
 Writes <results_dir>/<stem>.{md,csv,json}.
 """
 
@@ -72,7 +77,7 @@ def _body_loop(algorithm, models, draft, params, draft_params, tokens, *, iterat
     # loops rewind a finished row's cache, so its slots stop at its length).
     cache = getattr(state, "target_cache", None)
     cache = state.cache if cache is None else cache
-    return parts.result_of(state), cache.lengths
+    return parts.result_of(state), cache.lengths, parts.done_of(state)
 
   def loop():
     return jax.block_until_ready(run(params, draft_params, tokens))
@@ -107,11 +112,16 @@ def measure(args) -> list[dict[str, Any]]:
                                 max_decode_len=L)
     return make(steps), make(2 * steps)
 
-  def reached(loops) -> int:
+  finished = {}  # pair name -> fraction of rows done by the longer loop's end
+
+  def reached(name, loops) -> int:
     """The mean target-cache position over a pair's marginal iterations (between the
-    shorter and the longer loop's end), over the rows: where its bodies' attention reads."""
-    ends = [float(np.mean(np.asarray(loop()[1]))) for loop in loops]
-    return int(round(sum(ends) / 2))
+    shorter and the longer loop's end), over the rows: where its bodies' attention reads.
+    Also notes the rows that finished by the longer loop's end (`finished`): a finished
+    row's iterations still run, but read a frozen cache and commit nothing."""
+    outs = [loop() for loop in loops]
+    finished[name] = float(np.mean(np.asarray(outs[1][2])))
+    return int(round(sum(float(np.mean(np.asarray(o[1]))) for o in outs) / 2))
 
   def workload(position: int, cache_length: int):
     return timing.Workload(target=models.target, target_params=models.target_params,
@@ -124,8 +134,8 @@ def measure(args) -> list[dict[str, Any]]:
   # The decode calls alone at the positions the bodies reach (--position auto), in a
   # cache as long as theirs, or at the given position of a --cache_length cache.
   cache_length = L + max(args.gammas) + 2 if auto else args.cache_length
-  at = lambda loops: reached(loops) if auto else int(args.position)
-  step_position = at(ar)
+  at = lambda name, loops: reached(name, loops) if auto else int(args.position)
+  step_position = at("autoregressive", ar)
   loops = {"autoregressive": ar,
            "step:1": timing.marginal_pair(
                lambda n: workload(step_position, cache_length).decode_loop(
@@ -133,7 +143,8 @@ def measure(args) -> list[dict[str, Any]]:
   positions, fixed_positions = {}, {}
   for g in args.gammas:
     fixed = pair(decoding.Speculative(gamma=g, drafter=FixedProposal()), False, k)
-    positions[g], fixed_positions[g] = at(bodies[g]), at(fixed)
+    positions[g] = at(f"speculative:{g}", bodies[g])
+    fixed_positions[g] = at(f"fixed:{g}", fixed)
     w = workload(positions[g], cache_length)
     loops[f"speculative:{g}"] = bodies[g]
     loops[f"fixed:{g}"] = fixed
@@ -172,7 +183,10 @@ def measure(args) -> list[dict[str, Any]]:
            "step_ms": float(np.median(r["step:1"])),
            "autoregressive_ms": float(np.median(r["autoregressive"])),
            "draft_in_loop": q(spec - fixed), "bookkeeping": q(fixed - verify_fixed),
-           "ar_loop_work": ar_work}
+           "ar_loop_work": ar_work,
+           # fractions of rows done by the longer loop's end (--position auto only)
+           "finished": {k: finished[k] for k in ("autoregressive", f"speculative:{g}",
+                                                 f"fixed:{g}") if k in finished}}
     rows.append(row)
     print({key: v for key, v in row.items()}, flush=True)
   return rows
@@ -190,7 +204,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--batch", type=int, default=1,
                  help="rows: test examples --example, --example + 1, ... decoded together")
   p.add_argument("--gammas", default="1,3,5,8", help="comma-separated proposal lengths")
-  p.add_argument("--iterations", type=int, default=16,
+  p.add_argument("--iterations", type=int, default=4,
                  help="iterations of the shorter speculative loop (4x for the autoregressive)")
   p.add_argument("--cache_length", type=int, default=64,
                  help="the decode-call loops' cache (verify, step) with a numeric --position")
@@ -200,7 +214,7 @@ def parse_args(argv: Sequence[str]):
                       "the one-token step, each gamma's speculative body's for its verify "
                       "call and proposal), in a cache as long as the bodies'; or a number")
   p.add_argument("--steps", type=int, default=16, help="iterations of their shorter loop")
-  p.add_argument("--repeats", type=int, default=41, help="interleaved rounds")
+  p.add_argument("--repeats", type=int, default=81, help="interleaved rounds")
   p.add_argument("--stem", default="loop_split")
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
@@ -260,6 +274,12 @@ def run(args, meta) -> harness.Output:
       "[25th, 75th percentile] over rounds; the spread is the machine's noise.",
       "The cost model charges the draft gamma c T_p per iteration (c per drafted token): a "
       "'draft in the loop' that does not grow with gamma is a cost paid once per proposal."]
+  done = {k: v for r in rows for k, v in r.get("finished", {}).items() if v > 0}
+  if done:
+    notes.append("Rows done by the longer loop's end (their later iterations decode a "
+                 "finished row: a frozen cache, nothing committed; fewer --iterations keep "
+                 "them live): " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(done.items()))
+                 + ".")
   return harness.Output(args.stem, "Where a decoding iteration goes", cols, rows, notes)
 
 

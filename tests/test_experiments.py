@@ -767,6 +767,9 @@ def test_loop_split_times_the_decoders_own_bodies(out):
     assert 1 <= r["fixed_position"] <= r["verify_position"] <= 2 * (r["gamma"] + 1)
     assert 4 <= r["step_position"] <= 8
     assert r["cache_length"] > r["verify_position"] + r["gamma"]
+    assert set(r["finished"]) == {"autoregressive", f"speculative:{r['gamma']}",
+                                  f"fixed:{r['gamma']}"}
+    assert all(0.0 <= v <= 1.0 for v in r["finished"].values())
     for key in ("draft_in_loop", "bookkeeping", "ar_loop_work"):
       assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"], key
     assert r["draft_in_loop"]["median"] == pytest.approx(r["speculative_ms"] - r["fixed_ms"])
