@@ -164,14 +164,18 @@ def parse_ints(text: str, name: str) -> tuple[int, ...]:
   return tuple(out)
 
 
-def parse_gammas_in_cache(p, args) -> None:
-  """args.gammas (a '1,3,5' list) -> sorted distinct ints >= 1, and a check that
-  --position leaves every gamma + 1 tokens room in --cache_length (a usage error
-  otherwise): the proposal-in-the-loop drivers' arguments."""
+def parse_gammas(p, args) -> None:
+  """args.gammas (a '1,3,5' list) -> sorted distinct ints >= 1 (a usage error otherwise)."""
   try:
     args.gammas = sorted(set(parse_ints(args.gammas, "gammas")))
   except ValueError as e:
     p.error(str(e))
+
+
+def parse_gammas_in_cache(p, args) -> None:
+  """`parse_gammas`, and a check that --position leaves every gamma + 1 tokens room in
+  --cache_length (a usage error otherwise): the proposal-in-the-loop drivers' arguments."""
+  parse_gammas(p, args)
   if not 0 <= args.position <= args.cache_length - max(args.gammas) - 1:
     p.error(f"--position must lie in [0, cache_length - max(gammas) - 1], got "
             f"{args.position}")

@@ -219,10 +219,7 @@ def parse_args(argv: Sequence[str]):
   p.add_argument("--results_dir", default=harness.RESULTS_DIR)
   args = p.parse_args(list(argv))
   if args.position == "auto":  # checked against the bodies' own caches
-    try:
-      args.gammas = sorted(set(harness.parse_ints(args.gammas, "gammas")))
-    except ValueError as e:
-      p.error(str(e))
+    harness.parse_gammas(p, args)
   else:
     try:
       args.position = int(args.position)

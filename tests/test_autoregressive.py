@@ -26,6 +26,15 @@ def _enc(vocab, batch, seed=0, src=8):
   return enc
 
 
+def _eos_heavy():
+  """The tiny T5 with EOS's logit scaled up: rows end at different steps."""
+  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
+  params = model.init(jax.random.PRNGKey(11))
+  dense = params["decoder"]["logits_dense"]["kernel"]
+  params["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(4.0)
+  return model, params
+
+
 def _check_layout(result, max_len):
   """Outputs are 0 after each row's end; the end is EOS or the length limit."""
   tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
@@ -58,10 +67,7 @@ def test_greedy_equals_argmax_of_teacher_forcing(tiny):
 
 def test_eos_stops_rows_independently():
   """Force EOS by making its logit dominate for some inputs: rows stop at different steps."""
-  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
-  params = model.init(jax.random.PRNGKey(11))
-  dense = params["decoder"]["logits_dense"]["kernel"]
-  params["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(4.0)
+  model, params = _eos_heavy()
   enc = _enc(model.config.vocab_size, 16, seed=3)
   r = decoding.autoregressive(model, params, enc, max_decode_len=12,
                               sampling=Sampling(temperature=1.0), rng=jax.random.PRNGKey(0))
@@ -73,10 +79,7 @@ def test_finished_rows_stop_growing_their_cache():
   """The loop body decodes every row of the batch, but a finished row's cache is rewound:
   its filled slots stay at its length (the tokens it consumed), so its attention does not
   read one more slot per later step while slower rows go on."""
-  model = t5.T5(t5.T5Config.preset("t5_1_1_tiny"))
-  params = model.init(jax.random.PRNGKey(11))
-  dense = params["decoder"]["logits_dense"]["kernel"]
-  params["decoder"]["logits_dense"]["kernel"] = dense.at[:, t5.EOS_ID].multiply(4.0)
+  model, params = _eos_heavy()
   enc = jnp.asarray(_enc(model.config.vocab_size, 16, seed=3))
   L = 12
   ctx = runner.LoopContext(
