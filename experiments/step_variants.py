@@ -74,6 +74,11 @@ SWITCHES: Mapping[str, tuple[str, Any]] = {
     "self_attention_dots": ("ROWWISE_SELF_ATTENTION", False),
     # ... or as summed multiplies (the default on the CPU: no copies of the cache)
     "self_attention_rowwise": ("ROWWISE_SELF_ATTENTION", True),
+    # the new tokens' K/V written into the cache as a vmapped scatter (the default off the
+    # CPU) ...
+    "scatter_writes": ("ROW_WRITES", False),
+    # ... or as one in-place dynamic-update-slice per row (the default on the CPU)
+    "row_writes": ("ROW_WRITES", True),
 }
 
 # Opcodes that launch nothing of their own on the device.

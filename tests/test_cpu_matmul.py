@@ -1010,6 +1010,64 @@ def test_t5_attends_in_the_kernel_where_packed(pack_small):
 
 
 @needs_kernel
+def test_t5_writes_the_cache_per_row_where_it_attends_in_the_kernel(pack_small, monkeypatch):
+  """Layers that attend in the kernel write each row's new K/V with its own in-place
+  dynamic-update-slice (t5.ROW_WRITES None), not a vmapped scatter: the same logits and
+  caches bit for bit on ragged rows, at a batch over ROW_WRITES_MAX_BATCH too (the scatter
+  then), with XLA's dots as well (True), and a compiled step copies no whole cache."""
+  import re
+  from spec_decode import compile_options
+  from spec_decode.decoding import timing
+  model, params = _mini()
+  stored = model.decode_params(params)
+  enc = jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 100)
+  dec = jax.random.randint(jax.random.PRNGKey(2), (3, 4), 2, 100)
+  L = 12
+
+  def start(p):
+    cache = model.init_cache(p, model.encode(p, enc), L)
+    junk = model.decode(p, cache, jnp.full((3, 9), 5, jnp.int32)).cache  # stale slots
+    return junk.rewind(jnp.asarray([0, 3, 7], jnp.int32))
+
+  def step(p):
+    out = model.decode(p, start(p), dec)
+    return out.logits, out.cache.self_k, out.cache.self_v
+
+  def run(p, **switches):
+    with t5.switched(**switches):
+      hlo = jax.jit(step).lower(p).compile().as_text()
+      return hlo, jax.tree.map(np.asarray, jax.jit(step)(p))
+
+  hlo_rows, rows = run(stored, ROW_WRITES=None)
+  hlo_scatter, scatter = run(stored, ROW_WRITES=False)
+  assert "scatter" in hlo_scatter and "scatter" not in hlo_rows
+  jax.tree.map(np.testing.assert_array_equal, rows, scatter)
+  monkeypatch.setattr(t5, "ROW_WRITES_MAX_BATCH", 2)  # batch 3: the scatter again
+  hlo_over, over = run(stored, ROW_WRITES=None)
+  assert "scatter" in hlo_over
+  jax.tree.map(np.testing.assert_array_equal, over, rows)
+  monkeypatch.setattr(t5, "ROW_WRITES_MAX_BATCH", 32)
+  _, dots_rows = run(stored, ROW_WRITES=True, ATTENTION_KERNEL=False)
+  _, dots = run(stored, ROW_WRITES=False, ATTENTION_KERNEL=False)
+  jax.tree.map(np.testing.assert_array_equal, dots_rows, dots)
+  np.testing.assert_allclose(rows[0], dots[0], rtol=1e-5, atol=1e-5)
+
+  cache = start(stored)  # the decoding loop's step: no copy of a whole layer's K or V
+  loop = timing._jitted_steps(model, None, None, compile_options.resolve(None))
+  c = model.config
+  whole = {tuple(sorted((3, L, c.num_heads, c.head_dim)))}
+  for T in (1, 4):
+    text = loop.lower(stored, cache, jnp.full((3, T), 3, jnp.int32),
+                      jnp.int32(2)).compile().as_text()
+    copies = [name for name, dims in re.findall(r"%([\w.-]+) = f32\[([\d,]+)\]", text)
+              if ("copy" in name or "transpose" in name)
+              and tuple(sorted(int(d) for d in dims.split(","))) in whole]
+    assert not copies, (T, copies)
+  with pytest.raises(ValueError, match="ROW_WRITES"):
+    run(stored, ROW_WRITES="yes")
+
+
+@needs_kernel
 @pytest.mark.parametrize("packed_rows", [False, True])
 def test_t5_encoder_attends_in_the_kernel_where_packed(pack_small, packed_rows, monkeypatch):
   """The encoder's attention runs in the kernel too where its weights are packed, each row

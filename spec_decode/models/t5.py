@@ -389,7 +389,7 @@ def _reuse_rowwise_self_attention() -> bool:
 
 
 _SWITCHES = ("SKIP_PADDING_ROWS", "ONE_ROW_AS_TWO", "ROWWISE_SELF_ATTENTION",
-             "REUSE_ROWWISE_SELF_ATTENTION", "ATTENTION_KERNEL")
+             "REUSE_ROWWISE_SELF_ATTENTION", "ATTENTION_KERNEL", "ROW_WRITES")
 
 
 @contextlib.contextmanager
@@ -450,10 +450,53 @@ def empty_self_kv(config: T5Config, batch: int, length: int) -> tuple[jax.Array,
           jnp.zeros((batch, N, length, H), config.dtype))
 
 
-def _write_rows(cache, new, offsets_B, axis):
-  """Writes `new` into each row of `cache` at that row's own offset along `axis`."""
+# How a decode call writes its new tokens' K and V into the self-attention cache, each row
+# at its own length. vmapped, `dynamic_update_slice` becomes a scatter that drops an
+# out-of-bounds update; at batch 1 XLA:CPU turns it into a dynamic-update-slice under a
+# select, and in the timing loops (`timing.decode_loop`, behind T_p, T_verify and
+# experiments.roofline / loop_split) it computed each write's indices and in-bounds test
+# in two more small kernels of its own: 32 of the big EnDe target's 162 launches per step,
+# all ready at once, which XLA's thunk executor hands to its thread pool. That made a
+# step timed alone cost more than in the decoding loops, where the scatter form adds 5
+# kernels to the autoregressive body, not 32: the big EnDe target's one-token step at batch 1
+# timed 0.906 ms against 0.731 with one plain in-place dynamic-update-slice per row, and
+# the big CNN/DM target's 6-token call 1.445 against 1.320 ms (AMD EPYC family 26, 21-31
+# interleaved rounds), and experiments.loop_split read a FixedProposal body 0.07-0.12 ms
+# cheaper than its own verify call. The decoding loops themselves run as fast either way
+# (50 EnDe examples, 9 interleaved rounds in one process: autoregressive 0.813 / 0.795 s
+# per row / scatter, speculative 0.409 / 0.406 s; batch 8 with refill within 1.3%). So
+# the writes are per row, and the timing loops time what the decoding loops run. The
+# decoding loops size their caches so that no write leaves them (`LengthCache.check_append`
+# refuses one outside a jit), so the plain write's clamping never applies. With XLA's dots
+# reading the cache the plain writes made XLA copy whole caches (tests/test_t5.py), so
+# such layers keep the scatter. True: per row (unrolled, B writes per cache) up to
+# ROW_WRITES_MAX_BATCH rows; False: the vmapped scatter; None: per row where the layer
+# attends in the CPU kernel (`_attention_kernel`); read when a function is traced.
+ROW_WRITES: bool | None = None
+ROW_WRITES_MAX_BATCH = 32
+
+
+def _row_writes(layer_params) -> bool:
+  """Whether a layer with params `layer_params` writes its cache per row (`ROW_WRITES`)."""
+  if ROW_WRITES is not None and not isinstance(ROW_WRITES, bool):
+    raise ValueError(f"t5.ROW_WRITES must be None, True or False, got {ROW_WRITES!r}")
+  return _attention_kernel(layer_params) if ROW_WRITES is None else ROW_WRITES
+
+
+def _write_rows(cache, new, offsets_B, axis, rows: bool = False):
+  """Writes `new` into each row of `cache` at that row's own offset along `axis`: one
+  dynamic-update-slice per row where `rows` (`_row_writes`; batches up to
+  ROW_WRITES_MAX_BATCH), else a vmapped one (a scatter)."""
+  new = new.astype(cache.dtype)
+  if rows and cache.shape[0] <= ROW_WRITES_MAX_BATCH:
+    zero = jnp.zeros((), offsets_B.dtype)
+    for b in range(cache.shape[0]):
+      start = [zero] * cache.ndim
+      start[0], start[axis] = jnp.asarray(b, offsets_B.dtype), offsets_B[b]
+      cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], start)
+    return cache
   write = lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u, s, axis=axis - 1)
-  return jax.vmap(write)(cache, new.astype(cache.dtype), offsets_B)
+  return jax.vmap(write)(cache, new, offsets_B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -823,8 +866,9 @@ class T5(base.ParamSpecs):
     a = p["self_attention"]
     q, k, v = self._heads(h, a, ("query", "key", "value"))
     k, v = _kv_layout(k, v)
-    k_all = _write_rows(self_k_BNHL, k, offsets_B, DecodeCache.POSITION_AXES["self_k"])
-    v_all = _write_rows(self_v_BNLH, v, offsets_B, DecodeCache.POSITION_AXES["self_v"])
+    rows = _row_writes(p)
+    k_all = _write_rows(self_k_BNHL, k, offsets_B, DecodeCache.POSITION_AXES["self_k"], rows)
+    v_all = _write_rows(self_v_BNLH, v, offsets_B, DecodeCache.POSITION_AXES["self_v"], rows)
     one_row = x_BTD.shape[0] == 1 and x_BTD.shape[1] == 1
     if rowwise is None:
       rowwise = _rowwise_self_attention()
@@ -924,10 +968,11 @@ class T5(base.ParamSpecs):
     take = lambda src, axis: jax.vmap(  # each row's T - 1 slots from its offset
         lambda s, o: jax.lax.dynamic_slice_in_dim(s, o, T - 1, axis=axis - 1))(src, offsets)
     axes = DecodeCache.POSITION_AXES
+    rows = [_row_writes(dec[f"layers_{i}"]) for i in range(k)]
     self_kv = [(_write_rows(cache.self_k[i], take(shallow_k[i], axes["self_k"]), offsets,
-                            axes["self_k"]),
+                            axes["self_k"], rows[i]),
                 _write_rows(cache.self_v[i], take(shallow_v[i], axes["self_v"]), offsets,
-                            axes["self_v"])) for i in range(k)]
+                            axes["self_v"], rows[i])) for i in range(k)]
     x = self._embed(params, tokens[:, T - 1:])  # the last token: layers 0 .. k - 1
     x, x_prev, new_k, new_v, _ = self._decoder_layers(
         dec, cache, range(k), x, x, last,
